@@ -1,0 +1,36 @@
+"""What the primitives record on each schedule node, and the error they raise on misuse."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_slapo.primitives.placement import Role
+
+
+class SchedulingError(ValueError):
+    """A primitive was misused; the message starts with the schedule path."""
+
+
+@dataclass
+class ShardSpec:
+    """How one tensor of a module was sharded."""
+
+    axis: int
+    stride: int
+    full_shape: torch.Size
+    explicit: bool  # False when it was sharded through a tied parameter held by another module
+
+
+@dataclass
+class Metadata:
+    """What the primitives applied to one node (consumed by build, Verify and the engines)."""
+
+    shards: dict[str, ShardSpec] = field(default_factory=dict)
+    role: Role | None = None
+    syncs: set[tuple[str, Any]] = field(default_factory=set)  # (mode, op name or callable)
+    annotations: dict[str, dict[str, Any]] = field(default_factory=dict)
+    checkpointed: bool = False
+    forked_rng: bool = False

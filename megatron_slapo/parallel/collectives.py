@@ -1,0 +1,200 @@
+"""Autograd-aware collectives over an arbitrary process group and tensor dimension.
+
+Each function is one of Megatron's "conjugate" pairs: what the forward does on activations, the
+backward does the dual on gradients. They take a ``group`` (``None`` means single-process, where
+every collective is the identity) and a ``dim`` because HF models are batch-first: sequence
+parallelism splits dim 1, tensor parallelism the last dim.
+
+================  =======================  ==========================
+function          forward                  backward
+================  =======================  ==========================
+reduce_forward    all-reduce (Megatron g)  identity
+reduce_backward   identity                 all-reduce (Megatron f)
+all_gather        all-gather along dim     split, or reduce-scatter
+reduce_scatter    reduce-scatter on dim    all-gather
+scatter           keep own chunk of dim    all-gather
+================  =======================  ==========================
+
+``all_gather`` needs to know what happens downstream: when every rank then computes the same
+thing (gathering a tensor-parallel output), each rank already holds the full gradient and the
+backward just keeps its slice ("split"); when ranks then compute different things (sequence
+parallelism before a column-parallel layer), the gradients are partial sums and the backward must
+reduce-scatter them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+Group = dist.ProcessGroup | None
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+GatherBackward = Literal["split", "reduce_scatter"]
+
+
+def group_size(group: Group) -> int:
+    """Number of ranks in ``group``; 1 when single-process."""
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    """This process's rank within ``group``; 0 when single-process."""
+    if group is None or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _check_divisible(x: torch.Tensor, dim: int, world: int) -> None:
+    if x.size(dim) % world:
+        raise ValueError(f"dimension {dim} of size {x.size(dim)} is not divisible by the group size {world}")
+
+
+def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((src.size(0) * world, *src.shape[1:]))
+    _all_gather_single(out, src, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+def _split(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    _check_divisible(x, dim, world)
+    return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    world = group_size(group)
+    if world == 1:
+        return x
+    _check_divisible(x, dim, world)
+    src = x.movedim(dim, 0).contiguous()
+    out = src.new_empty((src.size(0) // world, *src.shape[1:]))
+    _reduce_scatter_single(out, src, group=group)
+    return out.movedim(0, dim).contiguous()
+
+
+class _ReduceForward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ReduceBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, backward):
+        ctx.dim, ctx.group, ctx.backward_op = dim, group, backward
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.backward_op == "split":
+            return _split(grad, ctx.dim, ctx.group), None, None, None
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+def reduce_forward(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum partial results across ``group`` in the forward; pass gradients through (Megatron's g)."""
+    return _ReduceForward.apply(x, group)
+
+
+def reduce_backward(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Identity in the forward; sum the gradient across ``group`` in the backward (Megatron's f)."""
+    return _ReduceBackward.apply(x, group)
+
+
+def all_gather(x: torch.Tensor, dim: int, group: Group, backward: GatherBackward = "split") -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``; see the module docstring for ``backward``."""
+    if backward not in ("split", "reduce_scatter"):
+        raise ValueError(f"all_gather backward must be 'split' or 'reduce_scatter', got {backward!r}")
+    return _AllGather.apply(x, dim, group, backward)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Sum across ``group`` and keep this rank's chunk of ``dim``; all-gather in the backward."""
+    return _ReduceScatter.apply(x, dim, group)
+
+
+def scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """Keep this rank's chunk of a replicated ``x`` along ``dim``; all-gather in the backward."""
+    return _Scatter.apply(x, dim, group)
+
+
+@torch.no_grad()
+def gather_tensor(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """All-gather without autograd, for inspection and export."""
+    return _all_gather(x, dim, group)
+
+
+@torch.no_grad()
+def allreduce_sequence_parallel_grads(module: torch.nn.Module, group: Group) -> None:
+    """Sum the gradients of parameters tagged ``sequence_parallel`` across ``group``.
+
+    Under sequence parallelism a replicated parameter (a LayerNorm's weight, say) only sees this
+    rank's part of the sequence, so its gradient is a partial sum. The attribute name is
+    Megatron's, so megatron-core's ``finalize_model_grads`` treats these parameters the same way.
+    """
+    grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads or group_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
+        offset += g.numel()

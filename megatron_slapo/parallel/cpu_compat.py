@@ -1,0 +1,45 @@
+"""Let megatron-core run on a CPU-only torch build (gloo backend).
+
+megatron-core hard-codes CUDA in a few places that are otherwise device-agnostic: buffers are
+allocated with ``device=torch.cuda.current_device()`` (tensor-parallel mappings, the global memory
+buffer, pipeline receive buffers), the pipeline p2p code calls ``torch.cuda.synchronize()``, and its
+RNG tracker reads and writes the CUDA generator. On a machine without CUDA those calls raise. This
+module maps them onto the CPU. It is the only place that does so, and :func:`apply` refuses to run
+when CUDA is present, so GPU runs use megatron-core unchanged.
+
+Measured in ../shared/notes/cpu-feasibility.md §1: with these shims megatron-core's TP layers, GPT
+model, DDP and pipeline schedules give the same losses on CPU as their references.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_applied = False
+
+
+def is_applied() -> bool:
+    return _applied
+
+
+def apply() -> None:
+    """Install the CPU shims (idempotent). Call before megatron-core allocates anything."""
+    global _applied
+    if _applied:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("cpu_compat.apply() is for CPU-only machines; CUDA is available here")
+    # Buffers allocated on "the current CUDA device" land on the CPU instead.
+    torch.cuda.current_device = lambda: "cpu"
+    # p2p communication synchronises the device after batched sends/receives: nothing to wait for.
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    # megatron's CudaRNGStatesTracker forks "the CUDA generator": make that the CPU generator.
+    torch.cuda.get_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    import megatron.core.tensor_parallel.random as mc_random
+
+    # These two would otherwise queue the state change as a lazy CUDA call that never runs.
+    mc_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mc_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    _applied = True

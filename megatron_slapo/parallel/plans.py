@@ -1,0 +1,155 @@
+"""Tensor-parallel plans: placements as data, applied with the schedule primitives.
+
+A plan maps module-path patterns (``*`` matches one path component) to a placement::
+
+    GPT2_PLAN = {
+        "transformer.wte": VocabParallelEmbedding(),
+        "transformer.h.*.attn": LocalHeads("split_size", "num_heads", "embed_dim"),
+        "transformer.h.*.attn.c_attn": ColumnParallel(stride=3),
+        "transformer.h.*.attn.c_proj": RowParallel(),
+        ...
+    }
+    apply_plan(sch, GPT2_PLAN)
+
+Each placement is a few primitive calls (shard + sync), so a plan reads like Megatron's layer
+choices and every decision stays visible in one place; schedules add the primitives that are not
+sharding (replace, checkpoint, fuse) as calls.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from transformers import PreTrainedModel
+
+from megatron_slapo.metadata import SchedulingError
+from megatron_slapo.parallel.vocab import VocabParallelLMLoss
+from megatron_slapo.primitives.placement import linear_axes
+
+if TYPE_CHECKING:
+    from megatron_slapo.schedule import Schedule
+
+
+class Placement(Protocol):
+    def apply(self, sch: Schedule) -> None: ...
+
+
+def _axes(sch: Schedule) -> tuple[int, int]:
+    axes = linear_axes(sch.mod)
+    if axes is None:
+        raise sch._error(f"expected nn.Linear or HF Conv1D, found {type(sch.mod).__name__}")
+    return axes
+
+
+def _shard_bias(sch: Schedule, stride: int) -> None:
+    if getattr(sch.mod, "bias", None) is not None:
+        sch.shard("bias", axis=0, stride=stride)
+
+
+@dataclass(frozen=True)
+class ColumnParallel:
+    """Split the output features; all-reduce the input gradient (Megatron's f).
+
+    ``stride`` is the number of fused blocks in the output (3 for q|k|v). ``gather_output``
+    all-gathers the result for layers whose consumer needs every feature.
+    """
+
+    stride: int = 1
+    gather_output: bool = False
+
+    def apply(self, sch: Schedule) -> None:
+        sch.shard("weight", axis=_axes(sch)[0], stride=self.stride)
+        _shard_bias(sch, self.stride)
+        sch.sync("bwd_post", "all_reduce")
+        if self.gather_output:
+            sch.sync("fwd_post", "all_gather", axis=-1)
+
+
+@dataclass(frozen=True)
+class RowParallel:
+    """Split the input features; all-reduce the output (Megatron's g), then add the bias once."""
+
+    def apply(self, sch: Schedule) -> None:
+        sch.shard("weight", axis=_axes(sch)[1])
+        sch.sync("fwd_post", "all_reduce")
+
+
+@dataclass(frozen=True)
+class VocabParallelEmbedding:
+    """Split the embedding table along the vocabulary; all-reduce the looked-up vectors."""
+
+    def apply(self, sch: Schedule) -> None:
+        sch.shard("weight", axis=0)
+        sch.sync("fwd_post", "all_reduce")
+
+
+@dataclass(frozen=True)
+class VocabParallelHead:
+    """An LM head whose logits stay split along the vocabulary (Megatron's ``parallel_output``).
+
+    The weight is sharded like the (usually tied) embedding, the input gradient is all-reduced, and
+    the enclosing HF model's ``loss_function`` becomes the vocabulary-parallel cross-entropy, so
+    ``model(input_ids, labels=labels).loss`` stays correct without gathering ``B x S x V`` logits.
+    """
+
+    causal: bool = True
+
+    def apply(self, sch: Schedule) -> None:
+        sch.shard("weight", axis=0)
+        _shard_bias(sch, 1)
+        sch.sync("bwd_post", "all_reduce")
+        owner = sch.parent
+        while owner is not None and not isinstance(owner.mod, PreTrainedModel):
+            owner = owner.parent
+        if owner is None:
+            raise sch._error("VocabParallelHead needs an enclosing HF PreTrainedModel to compute the loss")
+        owner.mod.loss_function = VocabParallelLMLoss(sch.group, causal=self.causal)
+
+
+@dataclass(frozen=True)
+class LocalHeads:
+    """Divide integer attributes that count heads or features by the TP size.
+
+    Some HF attention modules size their reshapes from attributes (GPT-2's ``split_size``); after
+    sharding the projections they must describe this rank's heads.
+    """
+
+    attrs: tuple[str, ...]
+
+    def __init__(self, *attrs: str) -> None:
+        object.__setattr__(self, "attrs", attrs)
+
+    def apply(self, sch: Schedule) -> None:
+        for attr in self.attrs:
+            value = getattr(sch.mod, attr, None)
+            if not isinstance(value, int):
+                raise sch._error(f"{type(sch.mod).__name__} has no integer attribute {attr!r}")
+            if value % sch.world_size:
+                raise sch._error(f"{attr}={value} is not divisible by the tensor-parallel size {sch.world_size}")
+            setattr(sch.mod, attr, value // sch.world_size)
+
+
+def _pattern(pattern: str) -> re.Pattern:
+    return re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")) + "$")
+
+
+def apply_plan(sch: Schedule, plan: Mapping[str, Placement]) -> list[str]:
+    """Apply each placement to every module whose path matches its pattern; return the paths.
+
+    Patterns are applied in the plan's order. A pattern that matches nothing is an error: a plan
+    written for another model family would otherwise silently do nothing.
+    """
+    paths = [p for p, _ in sch.named_schedules() if p]
+    applied: list[str] = []
+    for pattern, placement in plan.items():
+        regex = _pattern(pattern)
+        matched = [p for p in paths if regex.match(p)]
+        if not matched:
+            raise SchedulingError(f"plan pattern {pattern!r} matches no submodule of {type(sch.mod).__name__}")
+        for path in matched:
+            placement.apply(sch[path])
+        applied.extend(matched)
+    return applied

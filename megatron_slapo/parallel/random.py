@@ -1,0 +1,100 @@
+"""Named RNG streams for tensor parallelism, on CPU and CUDA.
+
+Dropout on a *replicated* activation must draw the same mask on every tensor-parallel rank (the
+ranks hold copies of one tensor); dropout on a *partitioned* activation must draw different masks
+(the ranks hold different slices). Megatron solves this with a second generator state, the
+"model-parallel" stream, seeded per TP rank and swapped in for the regions that are partitioned.
+This module is that tracker, written against the generator of whichever device runs the model, so
+it behaves the same on a CPU-only machine and on GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+MODEL_PARALLEL_RNG = "model-parallel"
+# Megatron's offset between the data-parallel seed and the model-parallel seed.
+_MODEL_PARALLEL_SEED_OFFSET = 2718
+
+
+def _device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _get_state() -> torch.Tensor:
+    return torch.cuda.get_rng_state() if _device_type() == "cuda" else torch.get_rng_state()
+
+
+def _set_state(state: torch.Tensor) -> None:
+    if _device_type() == "cuda":
+        torch.cuda.set_rng_state(state)
+    else:
+        torch.set_rng_state(state)
+
+
+class RNGStatesTracker:
+    """Holds named generator states and swaps one in for the duration of :meth:`fork`."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        self._states = {}
+
+    def is_seeded(self, name: str = MODEL_PARALLEL_RNG) -> bool:
+        return name in self._states
+
+    def add(self, name: str, seed: int) -> None:
+        """Create stream ``name`` from ``seed`` without disturbing the current generator."""
+        saved = _get_state()
+        try:
+            torch.manual_seed(seed) if _device_type() == "cpu" else torch.cuda.manual_seed(seed)
+            self._states[name] = _get_state()
+        finally:
+            _set_state(saved)
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        """A snapshot of every stream (used by activation checkpointing to replay dropout)."""
+        return {k: v.clone() for k, v in self._states.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._states = {k: v.clone() for k, v in states.items()}
+
+    @contextlib.contextmanager
+    def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
+        """Run the body on stream ``name``; the default stream resumes where it was afterwards."""
+        if name not in self._states:
+            raise RuntimeError(
+                f"RNG stream {name!r} is not seeded: call megatron_slapo.parallel.initialize(...) or "
+                "megatron_slapo.parallel.seed(...) before running a module scheduled with fork_rng()"
+            )
+        saved = _get_state()
+        _set_state(self._states[name])
+        try:
+            yield
+        finally:
+            self._states[name] = _get_state()
+            _set_state(saved)
+
+
+_TRACKER = RNGStatesTracker()
+
+
+def get_rng_tracker() -> RNGStatesTracker:
+    """The process-wide tracker used by ``fork_rng`` and ``checkpoint``."""
+    return _TRACKER
+
+
+def seed(seed: int, tensor_parallel_rank: int = 0, pipeline_parallel_rank: int = 0) -> None:
+    """Seed the default generator and the model-parallel stream the way Megatron does.
+
+    The default stream gets ``seed + 100 * pp_rank`` (equal across TP ranks, so replicated dropout
+    agrees); the model-parallel stream additionally gets ``2718 + tp_rank`` (different per TP rank).
+    """
+    base = seed + 100 * pipeline_parallel_rank
+    torch.manual_seed(base)
+    _TRACKER.reset()
+    _TRACKER.add(MODEL_PARALLEL_RNG, base + _MODEL_PARALLEL_SEED_OFFSET + tensor_parallel_rank)

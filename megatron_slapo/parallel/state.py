@@ -1,0 +1,112 @@
+"""Process groups: torch.distributed plus megatron-core's ``parallel_state``.
+
+:func:`initialize` is the one call a training script makes before scheduling: it starts the
+process group (from torchrun's environment, or a single local process), lays the ranks out as
+tensor x pipeline x data parallel with megatron-core, and seeds the RNG streams. Everything else
+(schedules, engines) asks this module for groups instead of building its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from megatron_slapo.parallel import random as rng
+
+
+def _megatron_initialized() -> bool:
+    # Avoid importing megatron-core (seconds) just to learn that nobody initialised it.
+    ps = sys.modules.get("megatron.core.parallel_state")
+    return ps is not None and ps.model_parallel_is_initialized()
+
+
+def is_initialized() -> bool:
+    """True once :func:`initialize` (or megatron-core's own initialisation) has run."""
+    return _megatron_initialized()
+
+
+def initialize(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    *,
+    seed: int = 1234,
+    backend: str | None = None,
+    timeout_minutes: int = 30,
+) -> None:
+    """Start distributed training with ``tensor_parallel`` x ``pipeline_parallel`` model parallelism.
+
+    The remaining factor of the world size is data parallelism. Works under ``torchrun`` (reads
+    RANK/WORLD_SIZE/MASTER_ADDR) and as a plain single process. Uses NCCL when CUDA is available and
+    gloo otherwise, in which case megatron-core's CPU shims are applied first.
+    """
+    if tensor_parallel < 1 or pipeline_parallel < 1:
+        raise ValueError(f"parallel sizes must be >= 1, got tensor={tensor_parallel} pipeline={pipeline_parallel}")
+    cuda = torch.cuda.is_available()
+    with warnings.catch_warnings():  # apex / Transformer Engine are optional; torch-native paths are used
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        if not cuda:
+            from megatron_slapo.parallel import cpu_compat
+
+            cpu_compat.apply()
+        from megatron.core import parallel_state as ps
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if cuda else "gloo")
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        if "WORLD_SIZE" in os.environ:
+            if cuda:
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    world = dist.get_world_size()
+    if world % (tensor_parallel * pipeline_parallel):
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_parallel ({tensor_parallel}) x "
+            f"pipeline_parallel ({pipeline_parallel})"
+        )
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel,
+        pipeline_model_parallel_size=pipeline_parallel,
+        distributed_timeout_minutes=timeout_minutes,
+    )
+    rng.seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+
+
+def destroy() -> None:
+    """Tear down megatron-core's groups and the process group (for tests and clean exits)."""
+    if _megatron_initialized():
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tensor_parallel_group() -> dist.ProcessGroup | None:
+    """The tensor-parallel group, or ``None`` before :func:`initialize`."""
+    if not _megatron_initialized():
+        return None
+    from megatron.core import parallel_state as ps
+
+    return ps.get_tensor_model_parallel_group()
+
+
+def default_group() -> dist.ProcessGroup | None:
+    """The group a schedule shards over when none is given.
+
+    The tensor-parallel group if model parallelism is initialised, else the whole world if
+    torch.distributed is, else ``None`` (single process: every collective is the identity).
+    """
+    group = tensor_parallel_group()
+    if group is not None:
+        return group
+    if dist.is_initialized():
+        return dist.group.WORLD
+    return None

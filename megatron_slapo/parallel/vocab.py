@@ -1,0 +1,129 @@
+"""Vocabulary parallelism: the embedding table and the LM head split along the vocabulary.
+
+Rank ``r`` of a group of ``n`` holds rows ``[r*V/n, (r+1)*V/n)`` of the (tied) ``V x H`` table.
+The embedding looks up only the ids in its range and the partial results are summed across ranks;
+the LM head produces only its slice of the logits, and the cross-entropy is computed from those
+slices with three small all-reduces (max, target logit, sum of exponentials) instead of gathering
+``B x S x V`` logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_slapo.parallel.collectives import Group, group_rank, group_size
+
+
+def vocab_range(local_size: int, group: Group) -> tuple[int, int]:
+    """``[start, end)`` of the vocabulary rows held by this rank."""
+    start = group_rank(group) * local_size
+    return start, start + local_size
+
+
+def vocab_parallel_embedding(
+    ids: torch.Tensor, weight: torch.Tensor, group: Group, padding_idx: int | None = None
+) -> torch.Tensor:
+    """Look up the ids this rank owns; the rest contribute zeros. The result is a partial sum.
+
+    The out-of-range mask is computed once from the original ids and applied to the output, so a
+    legitimate local id 0 is never confused with a masked one (a Slapo bug).
+    """
+    start, end = vocab_range(weight.size(0), group)
+    outside = (ids < start) | (ids >= end)
+    local_ids = (ids - start).masked_fill(outside, 0)
+    local_pad = padding_idx - start if padding_idx is not None and start <= padding_idx < end else None
+    out = F.embedding(local_ids, weight, padding_idx=local_pad)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index):
+        # logits: (N, V/n) this rank's vocabulary slice; target: (N,) global ids.
+        start, end = vocab_range(logits.size(-1), group)
+        distributed = group_size(group) > 1
+        logits_max = logits.max(dim=-1).values
+        if distributed:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max.unsqueeze(-1)
+        outside = (target < start) | (target >= end)
+        local_target = (target - start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        if distributed:
+            dist.all_reduce(target_logit, group=group)
+            dist.all_reduce(sum_exp, group=group)
+        valid = target != ignore_index
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside, valid = ctx.saved_tensors
+        grad = softmax.clone()
+        rows = torch.arange(grad.size(0), device=grad.device)
+        grad[rows, local_target] -= (~outside).to(grad.dtype)
+        grad.mul_((grad_loss * valid.to(grad_loss.dtype)).unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, group: Group, ignore_index: int = -100
+) -> torch.Tensor:
+    """Per-token cross-entropy from vocabulary-partitioned ``logits`` (``..., V/n``).
+
+    Equals ``F.cross_entropy(full_logits, target, reduction="none", ignore_index=...)`` computed on
+    the gathered logits; ignored positions get loss 0. Computed in fp32.
+    """
+    shape = target.shape
+    loss = _VocabParallelCrossEntropy.apply(
+        logits.float().reshape(-1, logits.size(-1)), target.reshape(-1), group, ignore_index
+    )
+    return loss.view(shape)
+
+
+class VocabParallelLMLoss:
+    """Drop-in for an HF model's ``loss_function`` when its logits are vocabulary-partitioned.
+
+    HF causal-LM and masked-LM heads compute their loss as ``self.loss_function(logits, labels,
+    vocab_size=..., **kwargs)``; assigning an instance of this class to ``model.loss_function``
+    keeps ``model(input_ids, labels=labels).loss`` working, with the same label shifting,
+    ``ignore_index`` and ``num_items_in_batch`` semantics as HF's ``ForCausalLMLoss`` /
+    ``ForMaskedLMLoss``.
+    """
+
+    def __init__(self, group: Group, causal: bool = True) -> None:
+        self.group = group
+        self.causal = causal
+
+    def __deepcopy__(self, memo: dict) -> VocabParallelLMLoss:
+        return self  # process groups are shared handles, not values
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if self.causal and shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        elif shift_labels is None:
+            shift_labels = labels
+        shift_labels = shift_labels.to(logits.device)
+        losses = vocab_parallel_cross_entropy(logits, shift_labels, self.group, ignore_index)
+        if num_items_in_batch is None:
+            return losses.sum() / (shift_labels != ignore_index).sum()
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(losses.device)
+        return losses.sum() / num_items_in_batch

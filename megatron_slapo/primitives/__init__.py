@@ -1,0 +1,1 @@
+"""Schedule primitives, one family per module; each is a typed method of ``Schedule``."""

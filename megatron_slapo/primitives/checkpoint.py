@@ -1,0 +1,56 @@
+"""``checkpoint``: activation recomputation of one module.
+
+The module's forward runs under ``torch.utils.checkpoint`` (non-reentrant), so its activations are
+dropped after the forward and recomputed in the backward. Dropout must draw the same masks the
+second time: torch restores the default generator, and a context restores the tensor-parallel RNG
+streams (:mod:`megatron_slapo.parallel.random`) to where they were when the forward started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from megatron_slapo.parallel.random import get_rng_tracker
+from megatron_slapo.primitives.forward import add_forward_wrapper
+from megatron_slapo.primitives.registry import primitive
+
+if TYPE_CHECKING:
+    from megatron_slapo.schedule import Schedule
+
+
+@contextlib.contextmanager
+def _replay_tracker(states: dict[str, torch.Tensor]) -> Iterator[None]:
+    tracker = get_rng_tracker()
+    current = tracker.get_states()
+    tracker.set_states(states)
+    try:
+        yield
+    finally:
+        tracker.set_states(current)
+
+
+def _tracker_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    # Called once per checkpointed forward: snapshot the streams now, replay them on recompute.
+    return contextlib.nullcontext(), _replay_tracker(get_rng_tracker().get_states())
+
+
+def checkpointed(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Forward wrapper that recomputes ``inner`` in the backward instead of keeping activations."""
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)
+    return torch_checkpoint(inner, *args, use_reentrant=False, context_fn=_tracker_contexts, **kwargs)
+
+
+class CheckpointMixin:
+    @primitive
+    def checkpoint(self: Schedule) -> None:
+        """Recompute this module's activations in the backward pass instead of storing them."""
+        if self.metadata.checkpointed:
+            raise self._error("checkpoint() is already applied to this module")
+        add_forward_wrapper(self.mod, checkpointed)
+        self.metadata.checkpointed = True

@@ -1,0 +1,67 @@
+"""Instance-level forward rewriting shared by the primitives that change *how* a module runs.
+
+Some primitives must change a module's computation without changing its class or its parameter
+names (so HF ``state_dict`` keys and pretrained weights still fit): ``shard`` replaces the maths of
+a Linear whose bias must be added after a reduction, or of a vocabulary-parallel Embedding;
+``checkpoint`` and ``fork_rng`` wrap whatever the module computes. A :class:`PatchedForward` is
+installed as ``module.forward`` and composes one *base* (the computation, by default the class's
+own ``forward``) with *wrappers* applied outside it, in the order they were added, so the
+primitives can be applied in any order.
+
+Everything is stored as bound methods or plain functions, never closures over the module, so a
+``copy.deepcopy`` of the model rebinds to the copy.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+Wrapper = Callable[..., Any]  # wrapper(inner_forward, *args, **kwargs) -> output
+
+
+class PatchedForward:
+    """``base`` wrapped by ``wrappers`` (first added = innermost)."""
+
+    def __init__(self, base: Callable[..., Any]) -> None:
+        self.base = base
+        self.wrappers: list[Wrapper] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self.base
+        for wrapper in self.wrappers:
+            fn = functools.partial(wrapper, fn)
+        return fn(*args, **kwargs)
+
+
+def _patched(module: nn.Module) -> PatchedForward:
+    current = module.__dict__.get("forward")
+    if isinstance(current, PatchedForward):
+        return current
+    if current is not None:
+        raise RuntimeError(f"{type(module).__name__} already has an instance-level forward that is not ours")
+    patched = PatchedForward(module.forward)
+    module.forward = patched
+    return patched
+
+
+def set_base_forward(module: nn.Module, fn: Callable[..., Any]) -> None:
+    """Replace the computation of ``module`` with ``fn(module, *args, **kwargs)``."""
+    _patched(module).base = types.MethodType(fn, module)
+
+
+def add_forward_wrapper(module: nn.Module, wrapper: Wrapper) -> None:
+    """Run ``module``'s computation through ``wrapper(inner, *args, **kwargs)``."""
+    _patched(module).wrappers.append(wrapper)
+
+
+def base_forward(module: nn.Module) -> Callable[..., Any] | None:
+    """The computation installed by :func:`set_base_forward`, or ``None``."""
+    current = module.__dict__.get("forward")
+    if isinstance(current, PatchedForward) and isinstance(current.base, types.MethodType):
+        return current.base.__func__
+    return None

@@ -1,0 +1,89 @@
+"""What sharding a module's weight does to its inputs and outputs, and which syncs that allows.
+
+Slapo's good idea, kept: when ``shard`` splits a known layer's weight, the schedule knows whether
+the layer's output is *partitioned* (each rank holds a slice of the features) or a *partial sum*
+(each rank holds a summand), and ``sync`` refuses collectives that contradict it, such as
+all-reducing a partitioned output. Layers are recognised by class:
+
+===============  ===================  ==============  =================  ==========================
+layer            weight layout        sharded axis    role               output / input
+===============  ===================  ==============  =================  ==========================
+nn.Linear        (out, in)            0 / 1           column / row       partitioned / partial
+HF Conv1D        (in, out)            1 / 0           column / row       (Conv1D stores W^T)
+nn.Embedding     (vocab, hidden)      0 / 1           vocab / emb-column partial / partitioned
+===============  ===================  ==============  =================  ==========================
+"""
+
+from __future__ import annotations
+
+import enum
+
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+
+class Role(enum.Enum):
+    COLUMN = "column"  # output features partitioned; input replicated
+    ROW = "row"  # input features partitioned; output is a partial sum
+    VOCAB = "vocab"  # embedding rows partitioned; output is a partial sum; input is token ids
+    EMBEDDING_COLUMN = "embedding-column"  # embedding features partitioned; input is token ids
+
+    @property
+    def output_is_partial(self) -> bool:
+        return self in (Role.ROW, Role.VOCAB)
+
+
+def linear_axes(module: nn.Module) -> tuple[int, int] | None:
+    """``(output_axis, input_axis)`` of a Linear-like weight, or ``None`` for other modules."""
+    if isinstance(module, nn.Linear):
+        return 0, 1
+    if isinstance(module, Conv1D):
+        return 1, 0
+    return None
+
+
+def infer_role(module: nn.Module, param_name: str, axis: int) -> Role | None:
+    """The role a module takes when ``param_name`` is sharded on ``axis``; ``None`` if unknown."""
+    if param_name != "weight":
+        return None
+    if isinstance(module, nn.Embedding):
+        return Role.VOCAB if axis == 0 else Role.EMBEDDING_COLUMN
+    axes = linear_axes(module)
+    if axes is None:
+        return None
+    return Role.COLUMN if axis == axes[0] else Role.ROW
+
+
+def check_sync(role: Role | None, mode: str, op: str, axis: int) -> str | None:
+    """Why ``sync(mode, op, axis=...)`` contradicts ``role``, or ``None`` if it is consistent."""
+    if mode == "bwd_post":
+        if op != "all_reduce":
+            return f"bwd_post supports 'all_reduce' (or a callable), not {op!r}"
+        if role is Role.ROW:
+            return "the input of a row-parallel layer is partitioned, so its gradient needs no all_reduce"
+        if role in (Role.VOCAB, Role.EMBEDDING_COLUMN):
+            return "an embedding's input is token ids, which have no gradient to reduce"
+        return None
+    if role is None:
+        return None
+    if mode == "fwd_post":
+        if role.output_is_partial and op not in ("all_reduce", "reduce_scatter"):
+            return f"the output is a partial sum ({role.value} sharding): use all_reduce or reduce_scatter, not {op}"
+        if not role.output_is_partial:
+            if op != "all_gather":
+                return (
+                    f"the output is partitioned on the last dim ({role.value} sharding): only all_gather fits, not {op}"
+                )
+            if axis != -1:
+                return f"the output is partitioned on the last dim: all_gather must use axis=-1, not {axis}"
+        return None
+    # fwd_pre
+    if role is Role.COLUMN and op != "all_gather":
+        return f"a column-parallel layer needs its full input: only all_gather (sequence parallelism) fits, not {op}"
+    if role is Role.COLUMN and axis == -1:
+        return "all_gather before a column-parallel layer gathers the sequence dim; axis=-1 is the feature dim"
+    if role is Role.ROW and (op != "scatter" or axis != -1):
+        return "a row-parallel layer expects its input split on the last dim: only scatter with axis=-1 fits"
+    if role in (Role.VOCAB, Role.EMBEDDING_COLUMN) and op in ("all_reduce", "reduce_scatter"):
+        return f"{op} of token ids makes no sense"
+    return None

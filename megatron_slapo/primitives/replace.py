@@ -1,0 +1,134 @@
+"""``replace`` and ``replace_all``: swap a submodule for another implementation.
+
+The replacement inherits what the old module had: parameters and buffers under the same name and
+shape are moved over as the *same* tensor objects (so pretrained weights and weight ties survive,
+which Slapo's schedules lost), and forward/backward hooks (including those installed by ``sync``
+and ``hook``) move with them. Replace first, then shard/checkpoint: a replaced module starts
+unsharded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from megatron_slapo.primitives.registry import primitive
+
+if TYPE_CHECKING:
+    from megatron_slapo.schedule import Schedule
+
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+)
+
+
+class FunctionModule(nn.Module):
+    """Wraps a plain function so it can stand in the module tree (``replace(F.gelu)``)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return getattr(self.fn, "__name__", repr(self.fn))
+
+
+def _move_tensors(old: nn.Module, new: nn.Module) -> list[str]:
+    """Give ``new`` the very tensors of ``old`` wherever name and shape agree; return mismatches."""
+    mismatched = []
+    new_modules = dict(new.named_modules())
+    for prefix, old_owner in old.named_modules():
+        new_owner = new_modules.get(prefix)
+        if new_owner is None:
+            continue
+        for table in ("_parameters", "_buffers"):
+            old_table, new_table = getattr(old_owner, table), getattr(new_owner, table)
+            for name, tensor in old_table.items():
+                target = new_table.get(name)
+                if tensor is None or target is None:
+                    continue
+                if target.shape != tensor.shape:
+                    mismatched.append(
+                        f"{prefix + '.' if prefix else ''}{name}: {tuple(tensor.shape)} -> {tuple(target.shape)}"
+                    )
+                else:
+                    new_table[name] = tensor
+    return mismatched
+
+
+class ReplaceMixin:
+    @primitive
+    def replace(self: Schedule, new_module: nn.Module | Callable[..., Any], *, keep_weights: bool = True) -> None:
+        """Swap this module for ``new_module`` (or a function), keeping its weights and hooks.
+
+        Tensors whose name and shape match are taken over from the old module (the same objects,
+        so ties and pretrained values are kept); a same-named tensor with another shape is an
+        error unless ``keep_weights=False``.
+        """
+        if self.parent is None:
+            raise self._error("cannot replace the root module; pass the new model to create_schedule()")
+        if not isinstance(new_module, nn.Module):
+            if not callable(new_module):
+                raise self._error(
+                    f"replace() expects an nn.Module or a callable, got {type(new_module).__name__}",
+                    TypeError,
+                )
+            new_module = FunctionModule(new_module)
+        for path, node in self.named_schedules():
+            done = [
+                k
+                for k, v in (
+                    ("shard", node.metadata.shards),
+                    ("checkpoint", node.metadata.checkpointed),
+                    ("fork_rng", node.metadata.forked_rng),
+                )
+                if v
+            ]
+            if done:
+                where = f"{self.path}.{path}" if path else self.path
+                raise self._error(f"{where} already has {', '.join(done)}; apply replace() before those primitives")
+        old = self.mod
+        if keep_weights:
+            mismatched = _move_tensors(old, new_module)
+            if mismatched:
+                raise self._error(
+                    "the replacement has tensors of the same name but another shape: "
+                    + "; ".join(mismatched)
+                    + " (pass keep_weights=False to start them fresh)"
+                )
+        for attr in _HOOK_DICTS:
+            getattr(new_module, attr).update(getattr(old, attr))
+        if getattr(old, "_is_full_backward_hook", None) is not None:
+            new_module._is_full_backward_hook = old._is_full_backward_hook
+        new_module.train(old.training)
+        setattr(self.parent.mod, self.name, new_module)
+        self.mod = new_module
+        self._adopt_children()
+
+    @primitive
+    def replace_all(
+        self: Schedule, module_type: type[nn.Module], make_fn: Callable[[str, nn.Module], nn.Module]
+    ) -> list[str]:
+        """Replace every submodule of ``module_type`` with ``make_fn(path, module)``; return the paths."""
+        if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
+            raise self._error(f"replace_all() expects an nn.Module subclass, got {module_type!r}", TypeError)
+        replaced: list[str] = []
+        for path, node in list(self.named_schedules()):
+            if node is self or not isinstance(node.mod, module_type):
+                continue
+            if any(path.startswith(done + ".") for done in replaced):
+                continue  # inside something already replaced
+            node.replace(make_fn(node.path, node.mod))
+            replaced.append(path)
+        return [f"{self.path}.{p}" if self.path else p for p in replaced]

@@ -1,0 +1,156 @@
+"""``shard``: keep this rank's slice of a parameter (Megatron-style tensor parallelism).
+
+Sharding is in place and immediate: a real tensor is sliced now (pretrained weights keep their
+values), a meta tensor just changes shape and is materialised slice-by-slice in ``build``. The node
+then knows the layer's role (see :mod:`.placement`) and rewrites its forward where the maths
+changes: a row-parallel Linear/Conv1D adds its bias *after* the reduction that ``sync`` installs
+(not once per rank), and a vocabulary-parallel Embedding looks up only the ids it owns. A tensor
+shared by several modules (tied embeddings) is sharded once and stays shared by all of them.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_slapo.metadata import ShardSpec
+from megatron_slapo.parallel.collectives import Group
+from megatron_slapo.parallel.layout import shard_slice, sharded_shape
+from megatron_slapo.parallel.vocab import vocab_parallel_embedding
+from megatron_slapo.primitives.forward import set_base_forward
+from megatron_slapo.primitives.placement import Role, infer_role, linear_axes
+from megatron_slapo.primitives.registry import primitive
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from megatron_slapo.schedule import Schedule
+
+# Megatron's parameter attributes: megatron-core's grad clipping and checkpointing read them.
+TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
+
+
+class RowParallelForward:
+    """Forward of a Linear/Conv1D sharded on its input features: reduce first, then add the bias."""
+
+    def __init__(self) -> None:
+        self.reductions: list[Callable[[torch.Tensor], torch.Tensor]] = []
+
+    def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(module, nn.Linear):
+            y = F.linear(x, module.weight)
+        else:  # HF Conv1D: weight is (in, out)
+            y = torch.mm(x.reshape(-1, x.size(-1)), module.weight).view(*x.shape[:-1], -1)
+        for reduce in self.reductions:
+            y = reduce(y)
+        return y + module.bias
+
+
+class VocabParallelForward:
+    """Forward of an Embedding sharded on its vocabulary rows (output is a partial sum)."""
+
+    def __init__(self, group: Group) -> None:
+        self.group = group
+
+    def __deepcopy__(self, memo: dict) -> VocabParallelForward:
+        return self
+
+    def __call__(self, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_embedding(ids, module.weight, self.group, module.padding_idx)
+
+
+def _sharded_copy(tensor: torch.Tensor, axis: int, stride: int, rank: int, world: int) -> torch.Tensor:
+    if tensor.is_meta:
+        data = torch.empty(sharded_shape(tensor.shape, axis, world), dtype=tensor.dtype, device="meta")
+    else:
+        data = shard_slice(tensor.detach(), axis, stride, rank, world)
+    new = nn.Parameter(data, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else data
+    new.__dict__.update(tensor.__dict__)  # annotations and other tags survive
+    new.tensor_model_parallel, new.partition_dim, new.partition_stride = True, axis, stride
+    return new
+
+
+_SIZE_ATTRS = {  # (module type, role) -> attribute that holds the now-local feature count
+    (nn.Linear, Role.COLUMN): ("out_features", 0),
+    (nn.Linear, Role.ROW): ("in_features", 1),
+    (nn.Embedding, Role.VOCAB): ("num_embeddings", 0),
+    (nn.Embedding, Role.EMBEDDING_COLUMN): ("embedding_dim", 1),
+}
+
+
+def _update_size_attrs(module: nn.Module, role: Role) -> None:
+    for (kind, kind_role), (attr, dim) in _SIZE_ATTRS.items():
+        if isinstance(module, kind) and role is kind_role:
+            setattr(module, attr, module.weight.size(dim))
+    if linear_axes(module) == (1, 0):  # HF Conv1D's forward reshapes with self.nf
+        module.nf, module.nx = module.weight.size(1), module.weight.size(0)
+
+
+class ShardMixin:
+    @primitive
+    def shard(self: Schedule, param_name: str, axis: int, *, stride: int = 1) -> None:
+        """Keep this rank's slice of a parameter or buffer along ``axis`` (tensor parallelism).
+
+        ``stride`` > 1 shards each of ``stride`` equal blocks of the axis separately (a fused
+        q|k|v weight uses 3). Tied parameters are sharded together.
+        """
+        tensor = self._tensor(param_name)
+        if not -tensor.dim() <= axis < tensor.dim():
+            raise self._error(f"axis {axis} is out of range for {param_name!r} of shape {tuple(tensor.shape)}")
+        axis %= tensor.dim()
+        if stride < 1:
+            raise self._error(f"stride must be >= 1, got {stride}")
+        existing = self.metadata.shards.get(param_name)
+        if existing is not None:
+            self._reshard_tied(param_name, existing, axis, stride)
+            return
+        world = self.world_size
+        if tensor.size(axis) % (world * stride):
+            raise self._error(
+                f"cannot shard {param_name!r} of shape {tuple(tensor.shape)} on axis {axis}: size "
+                f"{tensor.size(axis)} is not divisible by the group size {world}"
+                + (f" x stride {stride}" if stride > 1 else "")
+            )
+        holders = [
+            (node, name)
+            for _, node in self.root.named_schedules()
+            for name, t in chain(node.mod._parameters.items(), node.mod._buffers.items())
+            if t is tensor
+        ]
+        new = _sharded_copy(tensor, axis, stride, self.rank, world)
+        for node, name in holders:
+            node._set_tensor(name, new)
+            explicit = node is self and name == param_name
+            node.metadata.shards[name] = ShardSpec(axis, stride, tensor.shape, explicit)
+            node._after_shard(name, axis)
+
+    def _reshard_tied(self: Schedule, param_name: str, existing: ShardSpec, axis: int, stride: int) -> None:
+        if existing.explicit:
+            raise self._error(f"{param_name!r} is already sharded (axis {existing.axis}); shard() applies once")
+        if (existing.axis, existing.stride) != (axis, stride):
+            raise self._error(
+                f"{param_name!r} is tied to a parameter already sharded on axis {existing.axis} "
+                f"(stride {existing.stride}); it cannot also be sharded on axis {axis} (stride {stride})"
+            )
+        existing.explicit = True
+
+    def _after_shard(self: Schedule, param_name: str, axis: int) -> None:
+        """Record the layer's role and rewrite its forward where sharding changes the maths."""
+        role = infer_role(self.mod, param_name, axis)
+        if role is None:
+            return
+        self.metadata.role = role
+        mod = self.mod
+        _update_size_attrs(mod, role)
+        if role is Role.VOCAB:
+            if mod.max_norm is not None or mod.sparse or mod.scale_grad_by_freq:
+                raise self._error("vocab-parallel Embedding does not support max_norm, sparse or scale_grad_by_freq")
+            set_base_forward(mod, VocabParallelForward(self.group))
+        elif role is Role.ROW and getattr(mod, "bias", None) is not None:
+            if any(mode == "fwd_post" for mode, _ in self.metadata.syncs):
+                raise self._error("shard() a row-parallel layer before sync(): its bias must follow the reduction")
+            set_base_forward(mod, RowParallelForward())

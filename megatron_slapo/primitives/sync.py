@@ -1,0 +1,168 @@
+"""``sync``: insert a collective at a module's input or output (forward and backward).
+
+Modes: ``fwd_pre`` transforms the module's first input, ``fwd_post`` its first output, and
+``bwd_post`` leaves the forward alone and transforms the gradient flowing back out of the module
+into its input. Ops: ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``scatter`` (see
+:mod:`megatron_slapo.parallel.collectives` for each one's backward), or any callable on a tensor.
+
+Megatron's tensor-parallel MLP in these terms: the column-parallel layer gets
+``sync("bwd_post", "all_reduce")`` (f), the row-parallel one ``sync("fwd_post", "all_reduce")`` (g).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from megatron_slapo.parallel import collectives as C
+from megatron_slapo.primitives.forward import base_forward
+from megatron_slapo.primitives.placement import check_sync
+from megatron_slapo.primitives.registry import primitive
+from megatron_slapo.primitives.shard import RowParallelForward
+
+if TYPE_CHECKING:
+    from megatron_slapo.schedule import Schedule
+
+MODES = ("fwd_pre", "fwd_post", "bwd_post")
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "scatter")
+
+
+class _GradTransform(torch.autograd.Function):
+    """Identity forward; ``fn(grad)`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        ctx.fn = fn
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.fn(grad), None
+
+
+class SyncOp:
+    """One configured collective (or user function), applied to a tensor."""
+
+    def __init__(self, mode: str, op: str | Callable, group: C.Group, axis: int, backward: str, path: str) -> None:
+        self.mode, self.op, self.group, self.axis, self.backward, self.path = mode, op, group, axis, backward, path
+
+    def __deepcopy__(self, memo: dict) -> SyncOp:
+        return self  # holds a process group handle, which is shared rather than copied
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            return self._run(x)
+        except ValueError as e:  # e.g. a dim that the group size does not divide
+            raise ValueError(f"[{self.path}] sync({self.mode!r}, {self.op!r}): {e}") from e
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "bwd_post":
+            if self.op == "all_reduce":
+                return C.reduce_backward(x, self.group)
+            return _GradTransform.apply(x, self.op)
+        if callable(self.op):
+            return self.op(x)
+        if self.op == "all_reduce":
+            return C.reduce_forward(x, self.group)
+        if self.op == "all_gather":
+            return C.all_gather(x, self.axis, self.group, self.backward)
+        if self.op == "reduce_scatter":
+            return C.reduce_scatter(x, self.axis, self.group)
+        return C.scatter(x, self.axis, self.group)
+
+
+def _first_param_name(module: nn.Module) -> str | None:
+    params = [p for p in inspect.signature(module.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
+    return params[0].name if params else None
+
+
+class InputSync:
+    """Forward pre-hook (with kwargs) applying a :class:`SyncOp` to the module's first input."""
+
+    def __init__(self, op: SyncOp) -> None:
+        self.op = op
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if args:
+            return (self._apply(args[0]), *args[1:]), kwargs
+        name = _first_param_name(module)
+        if name not in kwargs:
+            raise RuntimeError(f"[{self.op.path}] sync({self.op.mode}): the module was called without an input")
+        return args, {**kwargs, name: self._apply(kwargs[name])}
+
+    def _apply(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise RuntimeError(f"[{self.op.path}] sync({self.op.mode}) expects a tensor input, got {type(x).__name__}")
+        return self.op(x)
+
+
+class OutputSync:
+    """Forward hook applying a :class:`SyncOp` to the module's output (first element of a tuple)."""
+
+    def __init__(self, op: SyncOp) -> None:
+        self.op = op
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            return self.op(output)
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            return type(output)((self.op(output[0]), *output[1:]))
+        raise RuntimeError(f"[{self.op.path}] sync(fwd_post) expects a tensor output, got {type(output).__name__}")
+
+
+class SyncMixin:
+    @primitive
+    def sync(
+        self: Schedule,
+        mode: str,
+        sync_op_or_fn: str | Callable[[torch.Tensor], torch.Tensor] = "all_reduce",
+        *,
+        axis: int = -1,
+        backward: str | None = None,
+    ) -> None:
+        """Insert a collective (or function) at the module's input (fwd_pre), output (fwd_post) or input gradient (bwd_post).
+
+        ``axis`` is the tensor dim for all_gather / reduce_scatter / scatter; ``backward``
+        ("split" or "reduce_scatter") chooses all_gather's backward. The collective is checked
+        against what ``shard`` left behind: an all_reduce of a partitioned output raises.
+        """
+        if mode not in MODES:
+            raise self._error(f"unknown sync mode {mode!r}; expected one of {MODES}")
+        if isinstance(sync_op_or_fn, str):
+            if sync_op_or_fn not in OPS:
+                raise self._error(f"unknown sync op {sync_op_or_fn!r}; expected one of {OPS} or a callable")
+            op_name = sync_op_or_fn
+            problem = check_sync(self.metadata.role, mode, op_name, axis)
+            if problem:
+                raise self._error(f"invalid sync({mode!r}, {op_name!r}): {problem}")
+        elif callable(sync_op_or_fn):
+            op_name = getattr(sync_op_or_fn, "__name__", repr(sync_op_or_fn))
+        else:
+            raise self._error(f"sync op must be a name or a callable, got {type(sync_op_or_fn).__name__}", TypeError)
+        if backward is not None and op_name != "all_gather":
+            raise self._error("backward= only applies to all_gather")
+        if (mode, sync_op_or_fn) in self.metadata.syncs:
+            raise self._error(f"sync({mode!r}, {op_name!r}) is already applied to this module")
+        if backward is None:
+            role = self.metadata.role
+            backward = (
+                "split" if mode == "fwd_post" and role is not None and not role.output_is_partial else "reduce_scatter"
+            )
+        op = SyncOp(mode, sync_op_or_fn, self.group, axis, backward, self.path)
+        self.metadata.syncs.add((mode, sync_op_or_fn))
+        if mode == "fwd_post":
+            base = base_forward(self.mod)
+            if isinstance(base, RowParallelForward):
+                base.reductions.append(op)  # reduce before the bias add
+                if sync_op_or_fn == "reduce_scatter":
+                    # The bias now meets only this rank's part of the sequence: its gradient is a
+                    # partial sum, reduced like Megatron's sequence-parallel parameters.
+                    self.annotate("bias", "sequence_parallel", True)
+            else:
+                self.mod.register_forward_hook(OutputSync(op))
+        else:
+            self.mod.register_forward_pre_hook(InputSync(op), with_kwargs=True)

@@ -1,0 +1,1 @@
+"""Named, model-specific schedules: ``schedules/<name>.py`` defines ``apply(sch, config, args)``."""

@@ -1,0 +1,32 @@
+"""Megatron-style tensor parallelism for HF GPT-2 (GPT2LMHeadModel).
+
+Vocabulary-parallel (tied) embedding and LM head with a vocabulary-parallel loss; fused q|k|v and
+the MLP's first layer column-parallel; both output projections row-parallel, their biases added
+after the all-reduce. Two all-reduces per block forward, two backward, as in Megatron.
+"""
+
+from typing import Any
+
+from megatron_slapo.parallel.plans import (
+    ColumnParallel,
+    LocalHeads,
+    RowParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    apply_plan,
+)
+from megatron_slapo.schedule import Schedule
+
+PLAN = {
+    "transformer.wte": VocabParallelEmbedding(),
+    "transformer.h.*.attn": LocalHeads("split_size", "num_heads", "embed_dim"),
+    "transformer.h.*.attn.c_attn": ColumnParallel(stride=3),  # q|k|v: each rank keeps its heads of each
+    "transformer.h.*.attn.c_proj": RowParallel(),
+    "transformer.h.*.mlp.c_fc": ColumnParallel(),
+    "transformer.h.*.mlp.c_proj": RowParallel(),
+    "lm_head": VocabParallelHead(),
+}
+
+
+def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
+    apply_plan(sch, PLAN)

@@ -1,0 +1,56 @@
+"""Runs under torchrun: one process group for the whole session, tests in collection order.
+
+Every rank runs the same tests in the same order, so collectives pair up. Tests keep their
+collectives before their assertions, so a failing rank does not leave the others waiting.
+A test runs at world size 2 unless marked ``@pytest.mark.world_sizes(...)``.
+"""
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+from megatron_slapo import parallel
+
+WORLD_SIZE = int(os.environ["WORLD_SIZE"])
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marker = item.get_closest_marker("world_sizes")
+        sizes = marker.args if marker else (2,)
+        if WORLD_SIZE not in sizes:
+            item.add_marker(pytest.mark.skip(reason=f"runs at world sizes {sizes}, this run has {WORLD_SIZE}"))
+
+
+def use_layout(tensor_parallel: int) -> None:
+    """(Re)initialise megatron-core's groups with this TP size if they differ; reseeds the RNG."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() != tensor_parallel:
+        parallel.initialize(tensor_parallel=tensor_parallel, timeout_minutes=3)
+    parallel.seed(1234, ps.get_tensor_model_parallel_rank())
+
+
+@pytest.fixture(scope="session", autouse=True)
+def process_group():
+    parallel.initialize(tensor_parallel=WORLD_SIZE, timeout_minutes=3)
+    yield
+    parallel.destroy()
+
+
+@pytest.fixture
+def group():
+    """The tensor-parallel group spanning the whole world (the default schedule group)."""
+    use_layout(WORLD_SIZE)
+    return parallel.tensor_parallel_group()
+
+
+@pytest.fixture
+def rank():
+    return dist.get_rank()
+
+
+@pytest.fixture
+def world():
+    return dist.get_world_size()

@@ -1,0 +1,50 @@
+"""Misuse that only shows with more than one rank: sizes that do not divide the group."""
+
+import pytest
+import torch
+from torch import nn
+
+import megatron_slapo as ms
+from megatron_slapo.parallel.plans import LocalHeads, apply_plan
+
+
+def test_shard_size_not_divisible_names_the_path(group, world):
+    model = nn.Sequential(nn.Linear(8, 5))
+    sch = ms.create_schedule(model, group)
+    with pytest.raises(ms.SchedulingError, match=r"\[0\].*not divisible by the group size 2"):
+        sch["0"].shard("weight", axis=0)
+    assert model[0].weight.shape == (5, 8)  # nothing was changed
+
+
+def test_heads_not_divisible_by_tp(group):
+    attn = nn.Module()
+    attn.num_heads = 3
+    model = nn.ModuleDict({"attn": attn})
+    with pytest.raises(ms.SchedulingError, match=r"\[attn\] num_heads=3 is not divisible"):
+        apply_plan(ms.create_schedule(model, group), {"attn": LocalHeads("num_heads")})
+
+
+def test_verify_raises_on_a_schedule_missing_a_sync(group, rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    sch = ms.create_schedule(model, group)
+    x = torch.randn(4, 8)
+    with pytest.raises(ms.VerificationError, match="differs"):
+        with ms.Verify(sch, [x]):
+            sch["0"].shard("weight", axis=0)
+            sch["0"].shard("bias", axis=0)
+            sch["0"].sync("bwd_post", "all_reduce")
+            sch["2"].shard("weight", axis=1)  # the row-parallel all-reduce is missing
+
+
+def test_verify_passes_the_complete_schedule(group):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    sch = ms.create_schedule(model, group)
+    with ms.Verify(sch, [torch.randn(4, 8)]) as verify:
+        sch["0"].shard("weight", axis=0)
+        sch["0"].shard("bias", axis=0)
+        sch["0"].sync("bwd_post", "all_reduce")
+        sch["2"].shard("weight", axis=1)
+        sch["2"].sync("fwd_post", "all_reduce")
+    assert set(verify.report.grads) == {f"grad of {n}" for n in ("0.weight", "0.bias", "2.weight", "2.bias")}

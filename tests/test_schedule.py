@@ -1,0 +1,71 @@
+"""The schedule tree and the primitive registry (single process)."""
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import megatron_slapo as ms
+from megatron_slapo.primitives import registry
+from tests.utils import tiny_gpt2_config
+
+
+@pytest.fixture
+def gpt2():
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel(tiny_gpt2_config())
+
+
+def test_one_node_per_submodule_with_paths(gpt2):
+    sch = ms.create_schedule(gpt2)
+    assert [p for p, _ in sch.named_schedules()] == [p for p, _ in gpt2.named_modules()]
+    mlp = sch["transformer.h.1.mlp"]
+    assert mlp.mod is gpt2.transformer.h[1].mlp
+    assert mlp.path == "transformer.h.1.mlp" and mlp.name == "mlp"
+    assert mlp.parent is sch["transformer.h.1"] and mlp.root is sch
+    assert sch["transformer.h"][1] is sch["transformer.h.1"]  # ModuleList children by index
+    assert mlp["c_fc"] is sch["transformer.h.1.mlp.c_fc"]
+    assert "transformer.h.0.attn" in sch and "transformer.h.7" not in sch
+    assert sch[""] is sch and sch.group is None and sch.world_size == 1
+
+
+def test_unknown_path_names_the_closest_ones(gpt2):
+    sch = ms.create_schedule(gpt2)
+    with pytest.raises(KeyError, match=r"transformer\.h\.0\.attn") as err:
+        sch["transformer.h.0.atn"]
+    assert "closest existing paths" in str(err.value)
+    with pytest.raises(KeyError, match="no submodule 'c_fcc' under 'transformer.h.0.mlp'"):
+        sch["transformer.h.0.mlp"]["c_fcc"]
+
+
+def test_create_schedule_rejects_non_modules():
+    with pytest.raises(TypeError, match="nn.Module"):
+        ms.create_schedule("not a model")
+
+
+def test_list_primitives_has_typed_methods_with_docs():
+    prims = ms.list_primitives()
+    for name in ("replace", "replace_all", "shard", "sync", "checkpoint", "hook", "fork_rng", "annotate"):
+        assert prims[name], name
+        assert getattr(ms.Schedule, name).__annotations__, name  # real, typed methods
+
+
+def test_register_primitive_and_duplicate_check():
+    def count_params(sch) -> int:
+        """Number of parameters under this node."""
+        return sum(p.numel() for p in sch.mod.parameters())
+
+    try:
+        ms.register_primitive(count_params)
+        assert ms.create_schedule(nn.Linear(3, 2)).count_params() == 8
+        assert ms.list_primitives()["count_params"] == "Number of parameters under this node."
+        with pytest.raises(ValueError, match="already registered"):
+            ms.register_primitive(count_params)
+        with pytest.raises(ValueError, match="already registered"):
+            ms.register_primitive(lambda sch: None, name="shard")
+        with pytest.raises(ValueError, match="already an attribute"):
+            ms.register_primitive(lambda sch: None, name="named_schedules")
+    finally:
+        registry._PRIMITIVES.pop("count_params", None)
+        if hasattr(ms.Schedule, "count_params"):
+            delattr(ms.Schedule, "count_params")

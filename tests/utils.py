@@ -1,0 +1,54 @@
+"""Tiny model configs and independent oracles shared by the tests."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def tiny_gpt2_config(**overrides) -> transformers.GPT2Config:
+    kw = dict(vocab_size=128, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2Config(**{**kw, **NO_DROPOUT, **overrides})
+
+
+def tiny_bert_config(**overrides) -> transformers.BertConfig:
+    kw = dict(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return transformers.BertConfig(**{**kw, **overrides})
+
+
+def tiny_llama_config(**overrides) -> transformers.LlamaConfig:
+    kw = dict(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return transformers.LlamaConfig(**{**kw, **overrides})
+
+
+def expected_shard(full: torch.Tensor, axis: int, rank: int, world: int, stride: int = 1) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``full``, written out independently of the library's layout code."""
+    blocks = full.chunk(stride, dim=axis)
+    return torch.cat([b.chunk(world, dim=axis)[rank] for b in blocks], dim=axis)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, f"shape {tuple(a.shape)} != {tuple(b.shape)}"
+    return (a.detach().float() - b.detach().float()).abs().max().item()
