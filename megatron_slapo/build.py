@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_slapo.metadata import SchedulingError, ShardSpec
+from megatron_slapo.parallel.collectives import comm_device
 from megatron_slapo.parallel.layout import shard_slice
 from megatron_slapo.parallel.random import get_rng_tracker
 from megatron_slapo.primitives.placement import Role, linear_axes
@@ -74,6 +75,12 @@ def validate(sch: Schedule) -> None:
                 raise node._error(f"bias stride {bias.stride} differs from weight stride {shards['weight'].stride}")
         if role is Role.ROW and "bias" in shards:
             raise node._error("row-parallel layer: its bias is added after the reduction and must not be sharded")
+        implicit = [name for name, spec in shards.items() if not spec.explicit]
+        if implicit and not node.metadata.syncs:
+            raise node._error(
+                f"{implicit[0]!r} is tied to a tensor sharded elsewhere, which made this layer "
+                f"{role.value if role else 'sharded'} too; schedule it as well (its shard and sync)"
+            )
         if "bias" in shards and "weight" not in shards and linear_axes(node.mod) is not None:
             raise node._error("the bias is sharded but the weight is not")
         if node.metadata.forked_rng and not get_rng_tracker().is_seeded():
@@ -88,7 +95,7 @@ def agreed_seed(seed: int | None) -> int:
     """``seed``, or rank 0's ``torch.initial_seed()`` so that every rank agrees."""
     if seed is not None:
         return seed
-    value = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64)
+    value = torch.tensor([torch.initial_seed() % 2**63], dtype=torch.int64, device=comm_device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast(value, src=0)  # an unseeded process must not init different full weights per rank
     return int(value.item())
@@ -119,19 +126,17 @@ def _units(module: nn.Module, path: str) -> Iterator[tuple[str, list[tuple[str, 
     yield path, [(path, module)]
 
 
-def _poison(t: torch.Tensor) -> None:
+def _blank(shape: torch.Size, template: torch.Tensor) -> torch.Tensor:
+    """A fresh CPU tensor for ``template``'s values; floats start as NaN so partial writes show."""
+    t = torch.empty(shape, dtype=template.dtype)
     if t.is_floating_point():
         t.fill_(float("nan"))
-    elif t.dtype != torch.bool:
-        t.fill_(torch.iinfo(t.dtype).min)
+    return nn.Parameter(t, requires_grad=template.requires_grad) if isinstance(template, nn.Parameter) else t
 
 
-def _is_poisoned(t: torch.Tensor) -> bool:
-    if t.is_floating_point():
-        return bool(torch.isnan(t).any())
-    if t.dtype == torch.bool:
-        return False
-    return bool((t == torch.iinfo(t.dtype).min).any())
+def _unwritten(t: torch.Tensor, version: int) -> bool:
+    """True if the initialiser never wrote ``t`` (its version counter did not move) or left NaNs."""
+    return t._version == version or (t.is_floating_point() and bool(torch.isnan(t).any()))
 
 
 class _Materializer:
@@ -144,6 +149,7 @@ class _Materializer:
     ) -> None:
         self.root, self.init_weights, self.shards, self.device = root, init_weights, shards, device
         self.done: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its materialised shard
+        self.versions: dict[int, int] = {}  # id(work tensor) -> version counter before initialisation
         self.hf_owner = self._hf_owners(root)
 
     @staticmethod
@@ -198,12 +204,12 @@ class _Materializer:
         if not any(t.is_meta for *_, t in slots):
             return  # nothing to materialise; per-unit seeding makes skipping layout-independent
         work: dict[int, torch.Tensor] = {}
+        self.versions = {}
         for _, table, key, t in slots:
             if id(t) not in work:
                 spec = self.shards.get(id(t))
-                full = torch.empty(spec[0].full_shape if spec else t.shape, dtype=t.dtype)
-                _poison(full)
-                work[id(t)] = nn.Parameter(full, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else full
+                work[id(t)] = _blank(spec[0].full_shape if spec else t.shape, t)
+                self.versions[id(work[id(t)])] = work[id(t)]._version
             table[key] = work[id(t)]
         if self.init_weights is not False:
             with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -221,15 +227,19 @@ class _Materializer:
         if owner is not None:
             owner._init_weights(module)
         direct = [t for table in (module._parameters, module._buffers) for t in table.values() if t is not None]
-        if hasattr(module, "reset_parameters") and any(_is_poisoned(t) for t in direct):
+        if hasattr(module, "reset_parameters") and any(self._unwritten(t) for t in direct):
             module.reset_parameters()
+
+    def _unwritten(self, t: torch.Tensor) -> bool:
+        version = self.versions.get(id(t))
+        return version is not None and _unwritten(t, version)
 
     def _finish(self, module: nn.Module, key: str, original: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         if not original.is_meta:
             return original
         if id(original) in self.done:
             return self.done[id(original)]
-        if self.init_weights is not False and _is_poisoned(full):
+        if self.init_weights is not False and self._unwritten(full):
             raise SchedulingError(
                 f"{type(module).__name__}.{key} was not initialised by the model's init function; "
                 "pass build(..., init_weights=fn) with an initialiser for it"

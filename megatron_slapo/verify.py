@@ -28,10 +28,12 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_slapo.build import agreed_seed, build
+from megatron_slapo.metadata import Metadata
 from megatron_slapo.parallel.collectives import (
     Group,
     all_gather,
     allreduce_sequence_parallel_grads,
+    comm_device,
     gather_tensor,
     group_size,
 )
@@ -81,6 +83,11 @@ class Verify:
         self.report: VerifyReport | None = None
 
     def __enter__(self) -> Verify:
+        scheduled = [path or "<root>" for path, node in self.sch.named_schedules() if node.metadata != Metadata()]
+        if scheduled:
+            raise VerificationError(
+                f"Verify must wrap the whole schedule, but {', '.join(scheduled[:3])} already has primitives applied"
+            )
         self.reference = copy.deepcopy(self.sch.mod)
         return self
 
@@ -116,7 +123,7 @@ class Verify:
             allreduce_sequence_parallel_grads(model, group)
             self._compare_grads(report, model, reference, group)
 
-        failed = torch.tensor([1.0 if report.failures else 0.0])
+        failed = torch.tensor([1.0 if report.failures else 0.0], device=comm_device(group))
         if group_size(group) > 1:
             dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
         if failed.item():

@@ -3,6 +3,10 @@
 Vocabulary-parallel (tied) embedding and LM head with a vocabulary-parallel loss; fused q|k|v and
 the MLP's first layer column-parallel; both output projections row-parallel, their biases added
 after the all-reduce. Two all-reduces per block forward, two backward, as in Megatron.
+
+Known gap: HF applies attention-probability dropout inside the attention kernel call, so it is not
+yet on the model-parallel RNG stream (Megatron forks it); with attn_pdrop > 0 the ranks' heads draw
+masks from the same stream. Numerics are otherwise exact; training with dropout remains valid.
 """
 
 from typing import Any

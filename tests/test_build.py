@@ -116,3 +116,29 @@ def test_fork_rng_without_seeded_stream_fails_before_compute():
     sch["0"].fork_rng()
     with pytest.raises(ms.SchedulingError, match=r"\[0\] fork_rng\(\) needs the model-parallel RNG stream"):
         ms.build(sch)
+
+
+def test_unwritten_buffer_of_any_dtype_is_an_error():
+    class Flags(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mask", torch.zeros(4, dtype=torch.bool))
+
+    with torch.device("meta"):
+        model = nn.Sequential(Flags())
+    with pytest.raises(ms.SchedulingError, match=r"Flags.mask was not initialised"):
+        ms.build(ms.create_schedule(model))
+    with torch.device("meta"):
+        model = nn.Sequential(Flags())
+    ms.build(ms.create_schedule(model), init_weights=lambda m: [b.zero_() for b in m.buffers(recurse=False)])
+    assert model[0].mask.dtype == torch.bool and not model[0].mask.any()
+
+
+def test_a_layer_sharded_only_through_a_tie_must_be_scheduled():
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(tiny_gpt2_config())
+    sch = ms.create_schedule(model)
+    sch["transformer.wte"].shard("weight", axis=0)
+    sch["transformer.wte"].sync("fwd_post", "all_reduce")
+    with pytest.raises(ms.SchedulingError, match=r"\[lm_head\] 'weight' is tied to a tensor sharded elsewhere"):
+        ms.build(sch)

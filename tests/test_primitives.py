@@ -197,3 +197,68 @@ def test_sync_before_shard_on_a_biased_row_layer_is_rejected():
     sch["fc2"].sync("fwd_post", "all_reduce")
     with pytest.raises(ms.SchedulingError, match=r"\[fc2\] shard\(\) a row-parallel layer before sync\(\)"):
         sch["fc2"].shard("weight", axis=1)
+
+
+def test_all_gather_on_an_unknown_module_needs_an_explicit_backward():
+    sch = ms.create_schedule(TwoLayer())
+    with pytest.raises(ms.SchedulingError, match=r"\[act\] all_gather on a module whose sharding is unknown"):
+        sch["act"].sync("fwd_post", "all_gather", axis=1)
+    sch["act"].sync("fwd_post", "all_gather", axis=1, backward="split")
+
+
+def test_replace_keeps_its_own_syncs_but_refuses_to_drop_descendants():
+    model = nn.Sequential(TwoLayer())
+    sch = ms.create_schedule(model)
+    sch["0.fc1"].sync("fwd_post", lambda t: 2 * t)
+    with pytest.raises(ms.SchedulingError, match=r"\[0\] 0.fc1 already has sync"):
+        sch["0"].replace(TwoLayer())
+    handle = sch["0.fc1"].hook("fwd_post", lambda m, a, out: out + 1)
+    sch["0.fc1"].replace(MyLinear(8, 16))
+    x = torch.randn(2, 8)
+    assert max_diff(model[0].fc1(x), 2 * F.linear(x, model[0].fc1.weight, model[0].fc1.bias) + 1) == 0
+    handle.remove()  # handles from before the replace still work
+    assert max_diff(model[0].fc1(x), 2 * F.linear(x, model[0].fc1.weight, model[0].fc1.bias)) == 0
+
+
+def test_deepcopy_of_a_scheduled_model_is_independent():
+    import copy
+
+    torch.manual_seed(0)
+    model = TwoLayer().eval()
+    sch = ms.create_schedule(model)
+    sch["fc2"].shard("weight", axis=1)  # row-parallel with a bias: forward rewritten
+    sch["fc1"].checkpoint()
+    clone = copy.deepcopy(model)
+    sch["fc2"].sync("fwd_post", lambda t: 10 * t)  # only on the original
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        clone.fc2.weight.zero_()
+    assert max_diff(clone(x), clone.fc2.bias.expand(3, 8)) == 0  # the clone computes with its own weights
+    hidden = F.gelu(model.fc1(x))
+    expected = 10 * F.linear(hidden, model.fc2.weight, model.fc2.bias)  # a user function sees the output
+    assert max_diff(model(x), expected) < 1e-6
+
+
+def test_patched_modules_accept_keyword_inputs():
+    model = TwoLayer()
+    sch = ms.create_schedule(model)
+    sch["fc1"].checkpoint()  # forward becomes a PatchedForward(*args, **kwargs)
+    sch["fc1"].sync("fwd_pre", lambda t: 2 * t)
+    x = torch.randn(2, 8, requires_grad=True)
+    assert max_diff(model.fc1(input=x), F.linear(2 * x, model.fc1.weight, model.fc1.bias)) == 0
+
+
+def test_verify_must_wrap_the_whole_schedule():
+    sch = ms.create_schedule(TwoLayer())
+    sch["fc1"].checkpoint()
+    with pytest.raises(ms.VerificationError, match="fc1 already has primitives"):
+        with ms.Verify(sch, [torch.randn(2, 8)]):
+            pass
+
+
+def test_single_process_verify_passes_and_reports():
+    sch = ms.create_schedule(TwoLayer().eval())
+    with ms.Verify(sch, [torch.randn(2, 8)]) as verify:
+        sch["fc1"].checkpoint()
+        sch["act"].replace(F.gelu)
+    assert verify.report.outputs["output"] == 0 and len(verify.report.grads) == 4

@@ -52,3 +52,17 @@ def expected_shard(full: torch.Tensor, axis: int, rank: int, world: int, stride:
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     assert a.shape == b.shape, f"shape {tuple(a.shape)} != {tuple(b.shape)}"
     return (a.detach().float() - b.detach().float()).abs().max().item()
+
+
+def local_part(full: torch.Tensor, param: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """What a (possibly sharded) parameter should hold locally, given the unsharded tensor."""
+    if getattr(param, "tensor_model_parallel", False):
+        return expected_shard(full, param.partition_dim, rank, world, param.partition_stride)
+    return full
+
+
+def assert_grads_match(model, reference, rank: int, world: int, tol: float = 1e-5) -> None:
+    """Every local gradient equals the matching slice of the unsharded model's gradient."""
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert max_diff(p.grad, local_part(ref_params[name].grad, p, rank, world)) < tol, name

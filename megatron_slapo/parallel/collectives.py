@@ -50,6 +50,13 @@ def group_rank(group: Group) -> int:
     return dist.get_rank(group)
 
 
+def comm_device(group: Group = None) -> torch.device:
+    """Where small control tensors for collectives on ``group`` must live (CUDA for NCCL)."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _check_divisible(x: torch.Tensor, dim: int, world: int) -> None:
     if x.size(dim) % world:
         raise ValueError(f"dimension {dim} of size {x.size(dim)} is not divisible by the group size {world}")

@@ -29,7 +29,9 @@ def apply() -> None:
         return
     if torch.cuda.is_available():
         raise RuntimeError("cpu_compat.apply() is for CPU-only machines; CUDA is available here")
-    # Buffers allocated on "the current CUDA device" land on the CPU instead.
+    # NB: these replace torch.cuda functions for the whole process (there is no CUDA to lose).
+    # Buffers allocated on "the current CUDA device" land on the CPU instead; megatron only passes
+    # the result on as a device, so a device string stands in for the usual index.
     torch.cuda.current_device = lambda: "cpu"
     # p2p communication synchronises the device after batched sends/receives: nothing to wait for.
     torch.cuda.synchronize = lambda *args, **kwargs: None

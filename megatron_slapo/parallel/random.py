@@ -88,13 +88,14 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def seed(seed: int, tensor_parallel_rank: int = 0, pipeline_parallel_rank: int = 0) -> None:
+def seed(value: int, tensor_parallel_rank: int = 0, pipeline_parallel_rank: int = 0) -> None:
     """Seed the default generator and the model-parallel stream the way Megatron does.
 
-    The default stream gets ``seed + 100 * pp_rank`` (equal across TP ranks, so replicated dropout
+    The default stream gets ``value + 100 * pp_rank`` (equal across TP ranks, so replicated dropout
     agrees); the model-parallel stream additionally gets ``2718 + tp_rank`` (different per TP rank).
+    The generator is the device's: CUDA when available, else the CPU.
     """
-    base = seed + 100 * pipeline_parallel_rank
+    base = value + 100 * pipeline_parallel_rank
     torch.manual_seed(base)
     _TRACKER.reset()
     _TRACKER.add(MODEL_PARALLEL_RNG, base + _MODEL_PARALLEL_SEED_OFFSET + tensor_parallel_rank)

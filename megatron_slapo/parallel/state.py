@@ -25,11 +25,6 @@ def _megatron_initialized() -> bool:
     return ps is not None and ps.model_parallel_is_initialized()
 
 
-def is_initialized() -> bool:
-    """True once :func:`initialize` (or megatron-core's own initialisation) has run."""
-    return _megatron_initialized()
-
-
 def initialize(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,

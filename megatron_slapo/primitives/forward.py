@@ -8,12 +8,14 @@ installed as ``module.forward`` and composes one *base* (the computation, by def
 own ``forward``) with *wrappers* applied outside it, in the order they were added, so the
 primitives can be applied in any order.
 
-Everything is stored as bound methods or plain functions, never closures over the module, so a
-``copy.deepcopy`` of the model rebinds to the copy.
+The base is stored as a method bound to the module, never as a closure over it, so a
+``copy.deepcopy`` of the model rebinds to the copy; base objects with state of their own copy
+that state in their ``__deepcopy__``.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 from collections.abc import Callable
@@ -30,6 +32,14 @@ class PatchedForward:
     def __init__(self, base: Callable[..., Any]) -> None:
         self.base = base
         self.wrappers: list[Wrapper] = []
+
+    def __deepcopy__(self, memo: dict) -> PatchedForward:
+        base = self.base
+        if isinstance(base, types.MethodType):  # copy.deepcopy would share the method's function
+            base = types.MethodType(copy.deepcopy(base.__func__, memo), copy.deepcopy(base.__self__, memo))
+        clone = PatchedForward(base)
+        clone.wrappers = list(self.wrappers)
+        return clone
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fn = self.base

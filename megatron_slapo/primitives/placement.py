@@ -69,6 +69,8 @@ def check_sync(role: Role | None, mode: str, op: str, axis: int) -> str | None:
     if mode == "fwd_post":
         if role.output_is_partial and op not in ("all_reduce", "reduce_scatter"):
             return f"the output is a partial sum ({role.value} sharding): use all_reduce or reduce_scatter, not {op}"
+        if role.output_is_partial and op == "reduce_scatter" and axis == -1:
+            return "reduce_scatter of a partial sum scatters the sequence dim (axis=1 in HF layout), not the features"
         if not role.output_is_partial:
             if op != "all_gather":
                 return (

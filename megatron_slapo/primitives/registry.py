@@ -45,4 +45,4 @@ def register_primitive(fn: Callable, name: str | None = None) -> Callable:
 
 def list_primitives() -> dict[str, str]:
     """Every primitive's name and the first line of its docstring."""
-    return {name: (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "" for name, fn in _PRIMITIVES.items()}
+    return {name: ((fn.__doc__ or "").strip().splitlines() or [""])[0] for name, fn in _PRIMITIVES.items()}

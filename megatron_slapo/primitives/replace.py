@@ -86,15 +86,18 @@ class ReplaceMixin:
                 )
             new_module = FunctionModule(new_module)
         for path, node in self.named_schedules():
+            meta = node.metadata
             done = [
-                k
-                for k, v in (
-                    ("shard", node.metadata.shards),
-                    ("checkpoint", node.metadata.checkpointed),
-                    ("fork_rng", node.metadata.forked_rng),
+                name
+                for name, applied in (
+                    ("shard", meta.shards),
+                    ("checkpoint", meta.checkpointed),
+                    ("fork_rng", meta.forked_rng),
                 )
-                if v
+                if applied
             ]
+            if path:  # descendants disappear with the old module, and their syncs and tags with them
+                done += [name for name, applied in (("sync", meta.syncs), ("annotate", meta.annotations)) if applied]
             if done:
                 where = f"{self.path}.{path}" if path else self.path
                 raise self._error(f"{where} already has {', '.join(done)}; apply replace() before those primitives")
@@ -107,8 +110,10 @@ class ReplaceMixin:
                     + "; ".join(mismatched)
                     + " (pass keep_weights=False to start them fresh)"
                 )
-        for attr in _HOOK_DICTS:
-            getattr(new_module, attr).update(getattr(old, attr))
+        for attr in _HOOK_DICTS:  # move the dicts themselves, so existing hook handles keep working
+            hooks = getattr(old, attr)
+            hooks.update(getattr(new_module, attr))
+            setattr(new_module, attr, hooks)
         if getattr(old, "_is_full_backward_hook", None) is not None:
             new_module._is_full_backward_hook = old._is_full_backward_hook
         new_module.train(old.training)

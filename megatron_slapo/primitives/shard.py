@@ -40,6 +40,11 @@ class RowParallelForward:
     def __init__(self) -> None:
         self.reductions: list[Callable[[torch.Tensor], torch.Tensor]] = []
 
+    def __deepcopy__(self, memo: dict) -> RowParallelForward:
+        clone = RowParallelForward()
+        clone.reductions = list(self.reductions)  # the ops themselves hold shared group handles
+        return clone
+
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if isinstance(module, nn.Linear):
             y = F.linear(x, module.weight)

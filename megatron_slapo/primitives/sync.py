@@ -20,7 +20,7 @@ from torch import nn
 
 from megatron_slapo.parallel import collectives as C
 from megatron_slapo.primitives.forward import base_forward
-from megatron_slapo.primitives.placement import check_sync
+from megatron_slapo.primitives.placement import Role, check_sync
 from megatron_slapo.primitives.registry import primitive
 from megatron_slapo.primitives.shard import RowParallelForward
 
@@ -76,8 +76,11 @@ class SyncOp:
 
 
 def _first_param_name(module: nn.Module) -> str | None:
-    params = [p for p in inspect.signature(module.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
-    return params[0].name if params else None
+    # The class's forward: the instance's may be a PatchedForward(*args, **kwargs) by now.
+    params = list(inspect.signature(type(module).forward).parameters.values())[1:]  # drop self
+    return (
+        params[0].name if params and params[0].kind not in (params[0].VAR_KEYWORD, params[0].VAR_POSITIONAL) else None
+    )
 
 
 class InputSync:
@@ -126,43 +129,63 @@ class SyncMixin:
     ) -> None:
         """Insert a collective (or function) at the module's input (fwd_pre), output (fwd_post) or input gradient (bwd_post).
 
-        ``axis`` is the tensor dim for all_gather / reduce_scatter / scatter; ``backward``
-        ("split" or "reduce_scatter") chooses all_gather's backward. The collective is checked
-        against what ``shard`` left behind: an all_reduce of a partitioned output raises.
+        ``axis`` is the tensor dim for all_gather / reduce_scatter / scatter. ``backward`` chooses
+        all_gather's backward: "split" when what follows is replicated, "reduce_scatter" when it is
+        partitioned (sequence parallelism); it is inferred for sharded layers and required
+        otherwise. The collective is checked against what ``shard`` left behind: an all_reduce of
+        a partitioned output raises. On a row-parallel layer with a bias, all_reduce and
+        reduce_scatter run before the bias add; a callable always sees the layer's output.
         """
+        op_name = self._check_sync(mode, sync_op_or_fn, axis)
+        if backward is not None and op_name != "all_gather":
+            raise self._error("backward= only applies to all_gather")
+        if op_name == "all_gather" and backward is None:
+            backward = self._default_gather_backward(mode)
+        if backward not in (None, "split", "reduce_scatter"):
+            raise self._error(f"backward must be 'split' or 'reduce_scatter', got {backward!r}")
+        op = SyncOp(mode, sync_op_or_fn, self.group, axis, backward or "", self.path)
+        self.metadata.syncs.add((mode, sync_op_or_fn))
+        base = base_forward(self.mod)
+        if mode == "fwd_post" and isinstance(base, RowParallelForward) and op_name in ("all_reduce", "reduce_scatter"):
+            base.reductions.append(op)  # reduce before the bias add
+            if op_name == "reduce_scatter":
+                # The bias now meets only this rank's part of the sequence: its gradient is a
+                # partial sum, reduced like Megatron's sequence-parallel parameters.
+                self.annotate("bias", "sequence_parallel", True)
+        elif mode == "fwd_post":
+            self.mod.register_forward_hook(OutputSync(op))
+        else:
+            self.mod.register_forward_pre_hook(InputSync(op), with_kwargs=True)
+
+    def _check_sync(self: Schedule, mode: str, sync_op_or_fn: str | Callable, axis: int) -> str:
+        """Validate a sync request; return the op's name."""
         if mode not in MODES:
             raise self._error(f"unknown sync mode {mode!r}; expected one of {MODES}")
         if isinstance(sync_op_or_fn, str):
             if sync_op_or_fn not in OPS:
                 raise self._error(f"unknown sync op {sync_op_or_fn!r}; expected one of {OPS} or a callable")
-            op_name = sync_op_or_fn
-            problem = check_sync(self.metadata.role, mode, op_name, axis)
+            problem = check_sync(self.metadata.role, mode, sync_op_or_fn, axis)
+            weight = self.metadata.shards.get("weight")
+            if not problem and sync_op_or_fn == "all_gather" and mode == "fwd_post" and weight and weight.stride > 1:
+                problem = f"the weight is sharded with stride {weight.stride}: gathering would interleave its blocks"
             if problem:
-                raise self._error(f"invalid sync({mode!r}, {op_name!r}): {problem}")
+                raise self._error(f"invalid sync({mode!r}, {sync_op_or_fn!r}): {problem}")
+            op_name = sync_op_or_fn
         elif callable(sync_op_or_fn):
             op_name = getattr(sync_op_or_fn, "__name__", repr(sync_op_or_fn))
         else:
             raise self._error(f"sync op must be a name or a callable, got {type(sync_op_or_fn).__name__}", TypeError)
-        if backward is not None and op_name != "all_gather":
-            raise self._error("backward= only applies to all_gather")
         if (mode, sync_op_or_fn) in self.metadata.syncs:
             raise self._error(f"sync({mode!r}, {op_name!r}) is already applied to this module")
-        if backward is None:
-            role = self.metadata.role
-            backward = (
-                "split" if mode == "fwd_post" and role is not None and not role.output_is_partial else "reduce_scatter"
-            )
-        op = SyncOp(mode, sync_op_or_fn, self.group, axis, backward, self.path)
-        self.metadata.syncs.add((mode, sync_op_or_fn))
-        if mode == "fwd_post":
-            base = base_forward(self.mod)
-            if isinstance(base, RowParallelForward):
-                base.reductions.append(op)  # reduce before the bias add
-                if sync_op_or_fn == "reduce_scatter":
-                    # The bias now meets only this rank's part of the sequence: its gradient is a
-                    # partial sum, reduced like Megatron's sequence-parallel parameters.
-                    self.annotate("bias", "sequence_parallel", True)
-            else:
-                self.mod.register_forward_hook(OutputSync(op))
-        else:
-            self.mod.register_forward_pre_hook(InputSync(op), with_kwargs=True)
+        return op_name
+
+    def _default_gather_backward(self: Schedule, mode: str) -> str:
+        role = self.metadata.role
+        if role is not None and mode == "fwd_post" and not role.output_is_partial:
+            return "split"  # gathering a tensor-parallel output: what follows is replicated
+        if role is Role.COLUMN and mode == "fwd_pre":
+            return "reduce_scatter"  # sequence parallelism: the layer's input gradients are partial sums
+        raise self._error(
+            "all_gather on a module whose sharding is unknown needs backward='split' (what follows is "
+            "replicated) or backward='reduce_scatter' (what follows is partitioned, as in sequence parallelism)"
+        )

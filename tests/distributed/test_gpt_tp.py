@@ -6,11 +6,12 @@ import torch.distributed as dist
 import transformers
 
 import megatron_slapo as ms
+from megatron_slapo import parallel
 from megatron_slapo.parallel.collectives import gather_tensor
 from megatron_slapo.parallel.plans import apply_plan
 from schedules import gpt_tp
 from tests.distributed.conftest import use_layout
-from tests.utils import expected_shard, max_diff, tiny_gpt2_config
+from tests.utils import local_part, max_diff, tiny_gpt2_config
 
 STEPS, SEED = 5, 42
 
@@ -51,10 +52,7 @@ def check_training_parity(group, rank, world):
     # Layout-independent init: the shards are slices of the single-device weights.
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
-        full = ref_params[name]
-        if getattr(p, "tensor_model_parallel", False):
-            full = expected_shard(full, p.partition_dim, rank, world, p.partition_stride)
-        assert torch.equal(p.detach(), full.detach()), f"initial {name} differs"
+        assert torch.equal(p.detach(), local_part(ref_params[name], p, rank, world).detach()), f"initial {name}"
 
     data = batches(cfg, STEPS)
     ref_losses, losses = train(reference, data), train(model, data)
@@ -120,3 +118,21 @@ def test_verify_passes_gpt_tp_and_catches_a_missing_sync(group):
 class _RowParallelWithoutSync:
     def apply(self, sch):
         sch.shard("weight", axis=0)
+
+
+def test_checkpointed_blocks_replay_dropout_under_tp(group, rank, world):
+    cfg = tiny_gpt2_config(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(5))
+    results = []
+    for checkpointed in (False, True):
+        sch = ms.create_schedule(meta_gpt2(cfg), group)
+        gpt_tp.apply(sch, cfg)
+        if checkpointed:
+            for i in range(cfg.n_layer):
+                sch[f"transformer.h.{i}"].checkpoint()
+        model = ms.build(sch, seed=SEED).train()
+        parallel.seed(7, tensor_parallel_rank=rank)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        results.append([loss, *(p.grad for p in model.parameters())])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))

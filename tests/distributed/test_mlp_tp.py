@@ -8,7 +8,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from megatron_slapo import create_schedule
-from tests.utils import expected_shard, max_diff, tiny_bert_config, tiny_gpt2_config, tiny_llama_config
+from tests.utils import assert_grads_match, max_diff, tiny_bert_config, tiny_gpt2_config, tiny_llama_config
 
 TOL = 1e-5
 
@@ -91,9 +91,4 @@ def test_mlp_tensor_parallel(group, rank, world, case):
 
     assert max_diff(y, y_ref) < TOL
     assert max_diff(x_tp.grad, x_ref.grad) < TOL
-    ref_params = dict(ref.named_parameters())
-    for name, p in tp.named_parameters():
-        expected = ref_params[name].grad
-        if getattr(p, "tensor_model_parallel", False):
-            expected = expected_shard(expected, p.partition_dim, rank, world)
-        assert max_diff(p.grad, expected) < TOL, name
+    assert_grads_match(tp, ref, rank, world)

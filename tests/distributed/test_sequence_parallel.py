@@ -12,7 +12,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 
 from megatron_slapo import create_schedule
 from megatron_slapo.parallel.collectives import allreduce_sequence_parallel_grads
-from tests.utils import expected_shard, max_diff, tiny_gpt2_config
+from tests.utils import assert_grads_match, max_diff, tiny_gpt2_config
 
 TOL = 1e-5
 
@@ -60,10 +60,5 @@ def test_sequence_parallel_block(group, rank, world):
 
     assert max_diff(y, y_ref.chunk(world, dim=1)[rank]) < TOL
     assert max_diff(x_sp.grad, x_ref.grad.chunk(world, dim=1)[rank]) < TOL
-    ref_params = dict(ref.named_parameters())
-    for name, p in sp.named_parameters():
-        expected = ref_params[name].grad
-        if getattr(p, "tensor_model_parallel", False):
-            expected = expected_shard(expected, p.partition_dim, rank, world)
-        assert max_diff(p.grad, expected) < TOL, name
+    assert_grads_match(sp, ref, rank, world)
     assert sp.ln.weight.sequence_parallel and not hasattr(sp.mlp.c_fc.weight, "sequence_parallel")

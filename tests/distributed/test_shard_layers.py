@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+import megatron_slapo as ms
 from megatron_slapo import create_schedule
 from tests.utils import expected_shard, max_diff
 
@@ -76,19 +77,31 @@ def test_row_parallel_adds_bias_after_reduction(group, rank, world, kind):
     assert max_diff(x_tp.grad, x_ref.grad.chunk(world, -1)[rank]) < TOL
 
 
+@pytest.mark.world_sizes(2, 4)
 def test_fused_qkv_stride_keeps_each_ranks_heads(group, rank, world):
     torch.manual_seed(0)
     ref = Conv1D(3 * IN, IN)
+    torch.nn.init.normal_(ref.bias)
     layer = Conv1D(3 * IN, IN)
     layer.load_state_dict(ref.state_dict())
     sch = create_schedule(layer, group)
     sch.shard("weight", axis=1, stride=3)
     sch.shard("bias", axis=0, stride=3)
+    sch.sync("bwd_post", "all_reduce")
     x = torch.randn(B, S, IN)
-    q, k, v = ref(x).split(IN, dim=-1)
-    lq, lk, lv = layer(x).split(IN // world, dim=-1)
+    x_ref, x_tp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    q, k, v = ref(x_ref).split(IN, dim=-1)
+    lq, lk, lv = layer(x_tp).split(IN // world, dim=-1)
+    # Use q, k and v differently, so each block's gradient is distinct.
+    (q.sum() + 2 * k.square().sum() + 3 * v.sin().sum()).backward()
+    (lq.sum() + 2 * lk.square().sum() + 3 * lv.sin().sum()).backward()
     for local, full in ((lq, q), (lk, k), (lv, v)):
         assert max_diff(local, full.chunk(world, -1)[rank]) < TOL
+    assert max_diff(layer.weight.grad, expected_shard(ref.weight.grad, 1, rank, world, stride=3)) < TOL
+    assert max_diff(layer.bias.grad, expected_shard(ref.bias.grad, 0, rank, world, stride=3)) < TOL
+    assert max_diff(x_tp.grad, x_ref.grad) < TOL
+    with pytest.raises(ms.SchedulingError, match="stride 3: gathering would interleave"):
+        sch.sync("fwd_post", "all_gather")
 
 
 @pytest.mark.world_sizes(2, 4)

@@ -90,8 +90,8 @@ def test_fwd_post_scatter(group, rank, world):
 
 
 @pytest.mark.world_sizes(2, 4)
-def test_fwd_pre_all_gather_defaults_to_reduce_scatter_backward(group, rank, world):
-    y, dx = run(group, rank, "fwd_pre", "all_gather", axis=1)
+def test_fwd_pre_all_gather_with_reduce_scatter_backward(group, rank, world):
+    y, dx = run(group, rank, "fwd_pre", "all_gather", axis=1, backward="reduce_scatter")
     assert max_diff(y, W * torch.cat(xs(world), dim=1)) < 1e-6
     assert max_diff(dx, W * sum(gs(world, y.shape)).chunk(world, dim=1)[rank]) < 1e-6
 
