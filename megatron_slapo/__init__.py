@@ -6,11 +6,16 @@ sch["transformer.h.0.mlp.c_fc"].sync("bwd_post", "all_reduce")
 model = build(sch)                        # materialise shard-locally
 """
 
-from megatron_slapo.build import build
-from megatron_slapo.metadata import SchedulingError
-from megatron_slapo.primitives.registry import list_primitives, register_primitive
-from megatron_slapo.schedule import Schedule, create_schedule
-from megatron_slapo.verify import VerificationError, Verify
+import warnings
+
+# megatron-core warns on import that apex / Transformer Engine are missing; we use torch-native paths.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+from megatron_slapo.build import build  # noqa: E402
+from megatron_slapo.errors import SchedulingError  # noqa: E402
+from megatron_slapo.primitives.registry import list_primitives, register_primitive  # noqa: E402
+from megatron_slapo.schedule import Schedule, create_schedule  # noqa: E402
+from megatron_slapo.verify import VerificationError, Verify  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_slapo.metadata import SchedulingError, ShardSpec
+from megatron_slapo.errors import SchedulingError
+from megatron_slapo.metadata import ShardSpec
 from megatron_slapo.parallel.collectives import comm_device
 from megatron_slapo.parallel.layout import shard_slice
 from megatron_slapo.parallel.random import get_rng_tracker
@@ -75,11 +76,11 @@ def validate(sch: Schedule) -> None:
                 raise node._error(f"bias stride {bias.stride} differs from weight stride {shards['weight'].stride}")
         if role is Role.ROW and "bias" in shards:
             raise node._error("row-parallel layer: its bias is added after the reduction and must not be sharded")
-        implicit = [name for name, spec in shards.items() if not spec.explicit]
-        if implicit and not node.metadata.syncs:
+        weight = shards.get("weight")
+        if role is not None and weight is not None and not weight.explicit and not node.metadata.syncs:
             raise node._error(
-                f"{implicit[0]!r} is tied to a tensor sharded elsewhere, which made this layer "
-                f"{role.value if role else 'sharded'} too; schedule it as well (its shard and sync)"
+                f"'weight' is tied to a tensor sharded elsewhere, which made this layer {role.value}-parallel "
+                "too; schedule it as well (its shard and sync)"
             )
         if "bias" in shards and "weight" not in shards and linear_axes(node.mod) is not None:
             raise node._error("the bias is sharded but the weight is not")

@@ -1,4 +1,4 @@
-"""What the primitives record on each schedule node, and the error they raise on misuse."""
+"""What the primitives record on each schedule node."""
 
 from __future__ import annotations
 
@@ -8,10 +8,6 @@ from typing import Any
 import torch
 
 from megatron_slapo.primitives.placement import Role
-
-
-class SchedulingError(ValueError):
-    """A primitive was misused; the message starts with the schedule path."""
 
 
 @dataclass

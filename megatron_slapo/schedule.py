@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_slapo.metadata import Metadata, SchedulingError
+from megatron_slapo.errors import SchedulingError
+from megatron_slapo.metadata import Metadata
 from megatron_slapo.parallel.collectives import group_rank, group_size
 from megatron_slapo.parallel.state import default_group
 from megatron_slapo.primitives.annotate import AnnotateMixin

@@ -66,3 +66,20 @@ def assert_grads_match(model, reference, rank: int, world: int, tol: float = 1e-
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         assert max_diff(p.grad, local_part(ref_params[name].grad, p, rank, world)) < tol, name
+
+
+def tb_scalars(logdir: str, tag: str) -> dict[int, float]:
+    """``{step: value}`` of one scalar tag in the TensorBoard event files under ``logdir``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(logdir, size_guidance={"scalars": 0})
+    acc.Reload()
+    return {e.step: e.value for e in acc.Scalars(tag)}
+
+
+def tb_tags(logdir: str) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(logdir)
+    acc.Reload()
+    return acc.Tags()["scalars"]

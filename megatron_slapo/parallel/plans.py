@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from transformers import PreTrainedModel
 
-from megatron_slapo.metadata import SchedulingError
+from megatron_slapo.errors import SchedulingError
 from megatron_slapo.parallel.vocab import VocabParallelLMLoss
 from megatron_slapo.primitives.placement import linear_axes
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import os
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -42,13 +41,12 @@ def initialize(
     if tensor_parallel < 1 or pipeline_parallel < 1:
         raise ValueError(f"parallel sizes must be >= 1, got tensor={tensor_parallel} pipeline={pipeline_parallel}")
     cuda = torch.cuda.is_available()
-    with warnings.catch_warnings():  # apex / Transformer Engine are optional; torch-native paths are used
-        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-        if not cuda:
-            from megatron_slapo.parallel import cpu_compat
+    if not cuda:
+        from megatron_slapo.parallel import cpu_compat
 
-            cpu_compat.apply()
-        from megatron.core import parallel_state as ps
+        cpu_compat.apply()
+    from megatron.core import parallel_state as ps
+
     if not dist.is_initialized():
         backend = backend or ("nccl" if cuda else "gloo")
         timeout = datetime.timedelta(minutes=timeout_minutes)

@@ -54,3 +54,11 @@ def rank():
 @pytest.fixture
 def world():
     return dist.get_world_size()
+
+
+@pytest.fixture(scope="session")
+def shared_tmp(tmp_path_factory):
+    """A directory every rank sees (rank 0's temporary directory, broadcast)."""
+    path = [str(tmp_path_factory.mktemp("shared")) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]

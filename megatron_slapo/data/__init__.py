@@ -1,0 +1,1 @@
+"""Training data: Megatron tokenizers, indexed datasets, samplers and the embedded corpus."""

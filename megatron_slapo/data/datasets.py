@@ -1,0 +1,158 @@
+"""GPT and BERT training datasets from Megatron indexed data, via megatron-core.
+
+megatron-core's ``BlendedMegatronDatasetBuilder`` builds the splits and blends, ``GPTDataset``
+the document/sample/shuffle indices (cached, deterministic by seed) and
+``BERTMaskedWordPieceDataset`` the 15% 80/10/10 masking and sentence-order pairs. What this
+module adds is checking the inputs first, so a bad prefix, a corrupt ``.idx`` or a split with no
+documents is one clear error rather than an assertion (or, for an empty split, an endless loop
+inside megatron-core) after the model is built.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_slapo.errors import DataError
+
+_INDEX_HEADER = b"MMIDIDX\x00\x00"  # Megatron's .idx magic
+
+
+@dataclass(frozen=True)
+class SplitSizes:
+    """Samples wanted from each split (Megatron's train/valid/test)."""
+
+    train: int
+    valid: int
+    test: int
+
+    def as_list(self) -> list[int]:
+        return [self.train, self.valid, self.test]
+
+
+def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+    """``--data-path PREFIX [PREFIX ...]`` or a blend ``W1 PREFIX1 W2 PREFIX2 ...``."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    try:
+        prefixes, weights = get_blend_from_list(data_path)
+    except (AssertionError, ValueError) as e:
+        raise DataError(f"--data-path must be PREFIX ... or W1 PREFIX1 W2 PREFIX2 ...: {e}") from e
+    return list(prefixes), (list(weights) if weights else None)
+
+
+def check_prefix(prefix: str) -> int:
+    """Check that ``prefix.bin``/``prefix.idx`` exist and the index is readable; return #documents."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for ext in (".idx", ".bin"):
+        if not os.path.isfile(prefix + ext):
+            raise DataError(f"data prefix {prefix!r}: {prefix + ext} does not exist")
+    with open(prefix + ".idx", "rb") as f:
+        header = f.read(len(_INDEX_HEADER) + 8)
+    if header[: len(_INDEX_HEADER)] != _INDEX_HEADER or struct.unpack("<Q", header[-8:])[0] != 1:
+        raise DataError(f"{prefix}.idx is not a Megatron index (MMIDIDX v1): corrupt or another format")
+    try:
+        dataset = IndexedDataset(prefix, mmap=True)
+        n_docs = dataset.document_indices.shape[0] - 1
+        bin_bytes = os.path.getsize(prefix + ".bin")
+        end = (
+            int(dataset.index.sequence_pointers[-1])
+            + int(dataset.index.sequence_lengths[-1]) * dataset.index.dtype_size
+        )
+    except Exception as e:  # numpy/struct errors from a truncated or inconsistent index
+        raise DataError(f"{prefix}.idx is corrupt: {type(e).__name__}: {e}") from e
+    if end > bin_bytes:
+        raise DataError(f"{prefix}.bin is shorter ({bin_bytes} bytes) than its index says ({end} bytes): truncated?")
+    if n_docs == 0:
+        raise DataError(f"{prefix} contains no documents")
+    return n_docs
+
+
+def check_splits(prefixes: list[str], split: str, sizes: SplitSizes) -> str:
+    """Check that every split that must yield samples gets documents of every dataset.
+
+    megatron-core builds every split with a nonzero weight and loops forever on one that holds no
+    documents, even when no samples are wanted from it. Such a split (empty and unused, typically
+    the 1% test split of a small corpus) gets weight 0 in the returned split string; an empty split
+    that is needed is an error.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    vector = parse_and_normalize_split(split)
+    matrix = convert_split_vector_to_split_matrix(vector)
+    for prefix in prefixes:
+        n_docs = check_prefix(prefix)
+        for i, (name, bounds, wanted) in enumerate(
+            zip(("train", "valid", "test"), matrix, sizes.as_list(), strict=True)
+        ):
+            docs = 0 if bounds is None else round(bounds[1] * n_docs) - round(bounds[0] * n_docs)
+            if docs == 0 and wanted > 0:
+                raise DataError(
+                    f"--split {split} leaves the {name} split of {prefix} ({n_docs} documents) empty, but "
+                    f"{wanted} {name} samples are needed; change --split, or --eval-iters 0 for no evaluation"
+                )
+            if docs == 0 and bounds is not None:
+                vector[i] = 0.0
+    return ",".join(f"{v:g}" for v in vector)
+
+
+def _common_config(args: Any, tokenizer: Any, prefixes: list[str], weights: list[float] | None, split: str) -> dict:
+    return dict(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=(prefixes, weights) if prefixes else None,
+        split=split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        mmap_bin_files=True,
+    )
+
+
+def build_gpt_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
+    """train/valid/test ``GPTDataset`` (or megatron-core's mock data with ``--mock-data``)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+    prefixes, weights = ([], None) if args.mock_data else parse_data_path(args.data_path)
+    split = check_splits(prefixes, args.split, sizes) if prefixes else args.split
+    config = GPTDatasetConfig(
+        **_common_config(args, tokenizer, prefixes, weights, split),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    cls = MockGPTDataset if args.mock_data else GPTDataset
+    return BlendedMegatronDatasetBuilder(cls, sizes.as_list(), lambda: True, config).build()
+
+
+def build_bert_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
+    """train/valid/test ``BERTMaskedWordPieceDataset`` (MLM 15%: 80/10/10; sentence-order pairs)."""
+    from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    if args.mock_data:
+        raise DataError("--mock-data is only available for GPT; give pretrain_bert.py a --data-path")
+    for name in ("cls", "sep", "mask", "pad"):
+        if getattr(tokenizer, name, None) is None:
+            raise DataError(f"BERT needs a tokenizer with a [{name.upper()}] token; use BertWordPiece*")
+    prefixes, weights = parse_data_path(args.data_path)
+    split = check_splits(prefixes, args.split, sizes)
+    config = BERTMaskedWordPieceDatasetConfig(
+        **_common_config(args, tokenizer, prefixes, weights, split),
+        masking_probability=args.mask_prob,
+        short_sequence_probability=args.short_seq_prob,
+        masking_max_ngram=3,
+        masking_do_full_word=True,
+        masking_do_permutation=False,
+        masking_use_longer_ngrams=False,
+        masking_use_geometric_distribution=False,
+        classification_head=args.bert_binary_head,
+    )
+    return BlendedMegatronDatasetBuilder(BERTMaskedWordPieceDataset, sizes.as_list(), lambda: True, config).build()

@@ -1,0 +1,148 @@
+"""Megatron's tokenizer types, from local files.
+
+``--tokenizer-type`` takes Megatron's names: ``GPT2BPETokenizer`` (``--vocab-file`` vocab.json,
+``--merge-file`` merges.txt), ``BertWordPieceLowerCase`` / ``BertWordPieceCase`` (``--vocab-file``
+vocab.txt), ``HuggingFaceTokenizer`` (``--tokenizer-model DIR``) and ``NullTokenizer``
+(``--vocab-size``). The objects expose what megatron-core's datasets read (``tokenize``,
+``vocab_size``, ``eod``, ``cls``/``sep``/``mask``/``pad``, ``inv_vocab``, ``unique_identifiers``).
+
+Why not ``megatron.core.tokenizers``: in megatron-core 0.16 its GPT-2 and WordPiece tokenizers
+instantiate ``AutoTokenizer.from_pretrained("gpt2" | "bert-large-uncased")`` and so need the HF
+hub even when the vocabulary files are given; these wrappers build the same HF fast tokenizers
+from the files alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from typing import Any
+
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+)
+
+
+class Tokenizer:
+    """Megatron's tokenizer interface over an HF fast tokenizer."""
+
+    def __init__(self, hf: Any, kind: str, source: str) -> None:
+        self.hf, self.kind, self.source = hf, kind, source
+        self.vocab = hf.get_vocab()
+        self.inv_vocab = {i: t for t, i in self.vocab.items()}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        """What megatron-core's dataset cache keys on."""
+        return OrderedDict(cls=self.kind, source=self.source, vocab_size=self.vocab_size)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.hf.decode(ids)
+
+    def _special(self, name: str) -> int:
+        """The id of a special token; AttributeError when the vocabulary has none (what megatron-core expects)."""
+        token_id = getattr(self.hf, f"{name}_token_id", None)
+        if token_id is None:
+            raise AttributeError(f"{self.kind} tokenizer from {self.source} has no {name} token")
+        return token_id
+
+    @property
+    def eod(self) -> int:
+        try:
+            return self._special("eos")
+        except AttributeError:
+            return self._special("sep")
+
+    cls = property(lambda self: self._special("cls"))
+    sep = property(lambda self: self._special("sep"))
+    mask = property(lambda self: self._special("mask"))
+    pad = property(lambda self: self._special("pad"))
+
+
+class NullTokenizer:
+    """Text is already space-separated ids; ``eod`` is ``vocab_size`` (Megatron's NullTokenizer)."""
+
+    kind = "NullTokenizer"
+
+    def __init__(self, vocab_size: int) -> None:
+        self._size = vocab_size
+        self.unique_identifiers = OrderedDict(cls=self.kind, vocab_size=vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._size + 1
+
+    @property
+    def eod(self) -> int:
+        return self._size
+
+    inv_vocab: dict[int, str] = {}
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def detokenize(self, ids: list[int]) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+def _require(path: str | None, flag: str, kind: str) -> str:
+    if not path:
+        raise ValueError(f"--tokenizer-type {kind} needs {flag}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{flag} {path} does not exist")
+    return path
+
+
+def _read_bpe(vocab_file: str, merge_file: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)
+    with open(merge_file, encoding="utf-8") as f:
+        merges = [tuple(line.split()) for line in f if line.strip() and not line.startswith("#version")]
+    return vocab, merges
+
+
+def _read_wordpiece(vocab_file: str) -> dict[str, int]:
+    with open(vocab_file, encoding="utf-8") as f:
+        return {token.rstrip("\n"): i for i, token in enumerate(f)}
+
+
+def build_tokenizer(
+    tokenizer_type: str,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    tokenizer_model: str | None = None,
+    vocab_size: int | None = None,
+) -> Tokenizer | NullTokenizer:
+    """The tokenizer Megatron's ``--tokenizer-type`` names, built from local files."""
+    import transformers
+
+    if tokenizer_type == "GPT2BPETokenizer":
+        vocab = _require(vocab_file, "--vocab-file", tokenizer_type)
+        merges = _require(merge_file, "--merge-file", tokenizer_type)
+        vocab_map, merge_list = _read_bpe(vocab, merges)
+        return Tokenizer(transformers.GPT2TokenizerFast(vocab=vocab_map, merges=merge_list), tokenizer_type, vocab)
+    if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        vocab = _require(vocab_file, "--vocab-file", tokenizer_type)
+        lower = tokenizer_type.endswith("LowerCase")
+        hf = transformers.BertTokenizerFast(vocab=_read_wordpiece(vocab), do_lower_case=lower)
+        return Tokenizer(hf, tokenizer_type, vocab)
+    if tokenizer_type == "HuggingFaceTokenizer":
+        model = _require(tokenizer_model, "--tokenizer-model", tokenizer_type)
+        return Tokenizer(transformers.AutoTokenizer.from_pretrained(model), tokenizer_type, model)
+    if tokenizer_type == "NullTokenizer":
+        if not vocab_size:
+            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+        return NullTokenizer(vocab_size)
+    raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; expected one of {', '.join(TOKENIZER_TYPES)}")

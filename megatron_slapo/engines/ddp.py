@@ -1,0 +1,124 @@
+"""Data parallelism with torch DDP over megatron-core's data-parallel group.
+
+The scheduled model already carries its tensor parallelism; DDP averages gradients across the
+data-parallel replicas. Mixed precision is autocast (fp32 master weights, like Megatron's
+``--bf16``/``--fp16``), with a dynamic loss scale for fp16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from megatron_slapo.engines.base import Batch, LossFn, StepResult
+from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parallel_grads, group_size
+from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, clip_grads, grad_norm
+
+
+class DDPEngine:
+    """Gradient accumulation, DDP, clipping, AdamW and the LR schedule for one built model."""
+
+    def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
+        self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
+        self.device = next(model.parameters()).device
+        self.wrapped = DistributedDataParallel(model, process_group=dp_group) if group_size(dp_group) > 1 else model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(model, args)
+        self.scheduler = build_scheduler(self.optimizer, args)
+        self.dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        self.scaler = None
+        if args.fp16:
+            static = args.loss_scale is not None
+            self.scaler = torch.amp.GradScaler(
+                self.device.type,
+                init_scale=args.loss_scale if static else args.initial_loss_scale,
+                backoff_factor=1.0 if static else 0.5,
+                growth_interval=2**62 if static else 1000,
+            )
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def _to_device(self, batch: Batch) -> Batch:
+        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def _average(self, totals: dict[str, torch.Tensor], count: int) -> dict[str, float]:
+        names = sorted(totals)
+        values = torch.stack([totals[n].detach().float() for n in names]) / count
+        if group_size(self.dp_group) > 1:
+            dist.all_reduce(values, group=self.dp_group)
+            values /= group_size(self.dp_group)
+        return dict(zip(names, values.tolist(), strict=True))
+
+    def train_step(self, microbatches: list[Batch], loss_fn: LossFn) -> StepResult:
+        self.wrapped.train()
+        totals: dict[str, torch.Tensor] = {}
+        n = len(microbatches)
+        for i, batch in enumerate(microbatches):
+            last = i == n - 1
+            sync = contextlib.nullcontext() if last or self.wrapped is self.model else self.wrapped.no_sync()
+            with sync:
+                with self._autocast():
+                    loss, metrics = loss_fn(self.wrapped, self._to_device(batch))
+                scaled = loss / n
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0) + v.detach()
+        allreduce_sequence_parallel_grads(self.model, self.tp_group)
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        norm = grad_norm(self.params, self.tp_group)
+        finite = norm == norm and norm != float("inf")
+        if finite:
+            clip_grads(self.params, self.args.clip_grad, norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)  # skips the step itself when it found inf/nan
+            self.scaler.update()
+        elif finite:
+            self.optimizer.step()
+        if finite:
+            self.scheduler.step(increment=self.args.global_batch_size)
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(
+            metrics=self._average(totals, n),
+            grad_norm=norm if finite else None,
+            loss_scale=self.scaler.get_scale() if self.scaler else 1.0,
+            skipped=not finite,
+            learning_rate=self.optimizer.param_groups[0]["lr"],
+        )
+
+    @torch.no_grad()
+    def eval_step(self, microbatches: list[Batch], loss_fn: LossFn) -> dict[str, float]:
+        self.wrapped.eval()
+        totals: dict[str, torch.Tensor] = {}
+        for batch in microbatches:
+            with self._autocast():
+                _, metrics = loss_fn(self.model, self._to_device(batch))
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0) + v.detach()
+        return self._average(totals, len(microbatches))
+
+    def state_dict(self, include_optimizer: bool = True) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self.model.state_dict()}
+        if include_optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
+            state["opt_param_scheduler"] = self.scheduler.state_dict()
+            if self.scaler:
+                state["grad_scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
+        self.model.load_state_dict(state["model"])
+        if load_optimizer and "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["opt_param_scheduler"])
+            if self.scaler and "grad_scaler" in state:
+                self.scaler.load_state_dict(state["grad_scaler"])

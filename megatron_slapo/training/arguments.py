@@ -1,0 +1,221 @@
+"""Command-line arguments, with Megatron-LM's names, and their validation.
+
+Everything a Megatron-LM user passes to ``pretrain_gpt.py`` keeps its name and meaning
+(``--tensor-model-parallel-size``, ``--micro-batch-size``, ``--lr-decay-style``, ``--save`` ...);
+our additions sit beside them (``--schedule``, ``--model-type``, ``--hf-config``, ``--load-hf``,
+``--engine``). :func:`validate_args` turns every contradiction it can see before any compute into
+one :class:`~megatron_slapo.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from megatron_slapo.errors import ConfigError
+
+GPT_MODEL_TYPES = ("gpt2", "gpt_neo", "opt", "llama")
+BERT_MODEL_TYPES = ("bert", "roberta", "albert")
+
+# The embedded default run (no data flags): a small model that trains in minutes on 2 CPU cores.
+EMBEDDED_DEFAULTS = dict(
+    num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128, micro_batch_size=8,
+    global_batch_size=16, train_iters=200, lr=1e-3, min_lr=1e-4, lr_warmup_fraction=0.1,
+    lr_decay_style="cosine", eval_interval=50, eval_iters=4, log_interval=10, num_workers=0,
+)  # fmt: skip
+
+
+def _model(p: argparse.ArgumentParser, model_types: Sequence[str]) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model-type", choices=model_types, default=model_types[0], help="HF model family")
+    g.add_argument("--hf-config", help="HF config name or directory (instead of the size flags)")
+    g.add_argument("--load-hf", metavar="DIR", help="start from the pretrained HF weights in DIR")
+    g.add_argument("--schedule", default="default", help="schedules/NAME.py to apply; 'list' prints them")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--num-query-groups", type=int, help="key/value heads (grouped-query attention)")
+    g.add_argument("--ffn-hidden-size", type=int, help="default: 4 x hidden size")
+    g.add_argument("--seq-length", type=int)
+    g.add_argument("--max-position-embeddings", type=int, help="default: --seq-length")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+
+def _parallel(p: argparse.ArgumentParser) -> None:
+    from megatron_slapo.engines import ENGINES
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--engine", choices=sorted(ENGINES), default="ddp")
+
+
+def _training(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int)
+    g.add_argument("--global-batch-size", type=int, help="default: micro batch x data-parallel size")
+    g.add_argument("--train-iters", type=int)
+    g.add_argument("--exit-interval", type=int, help="stop (and save) when the iteration is a multiple of this")
+    g.add_argument("--lr", type=float)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument(
+        "--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root"), default="linear"
+    )
+    g.add_argument("--lr-decay-iters", type=int, help="default: --train-iters")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-fraction", type=float)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--loss-scale", type=float, help="static fp16 loss scale (default: dynamic)")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--recompute-granularity", choices=("full",), help="recompute whole transformer layers")
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
+    g.add_argument("--recompute-num-layers", type=int, default=1)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--max-consecutive-nan-iterations", type=int, default=5,
+                   help="stop the run after this many iterations in a row with a NaN/inf loss or grad")  # fmt: skip
+
+
+def _data(p: argparse.ArgumentParser, bert: bool) -> None:
+    from megatron_slapo.data.tokenizers import TOKENIZER_TYPES
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", help="PREFIX ... or W1 PREFIX1 W2 PREFIX2 ... (default: embedded corpus)")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--data-cache-path", help="where index caches and the embedded corpus are built")
+    g.add_argument("--num-workers", type=int, default=2)
+    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
+    g.add_argument("--vocab-file")
+    g.add_argument("--merge-file")
+    g.add_argument("--tokenizer-model")
+    g.add_argument("--vocab-size", type=int)
+    if bert:
+        g.add_argument("--mask-prob", type=float, default=0.15)
+        g.add_argument("--short-seq-prob", type=float, default=0.1)
+        g.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_false")
+
+
+def _checkpointing(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save")
+    g.add_argument("--load")
+    g.add_argument("--save-interval", type=int)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true", help="load only the model weights; start at iteration 0")
+
+
+def _logging(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--tensorboard-dir")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-params-norm", action="store_true")
+    g.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: known GPUs; none for CPUs)")
+
+
+def build_parser(task: str) -> argparse.ArgumentParser:
+    bert = task == "bert"
+    p = argparse.ArgumentParser(
+        prog=f"pretrain_{task}.py",
+        description=f"Pretrain a HuggingFace {'masked' if bert else 'causal'} LM with a megatron_slapo schedule.",
+    )
+    _model(p, BERT_MODEL_TYPES if bert else GPT_MODEL_TYPES)
+    _parallel(p)
+    _training(p)
+    _data(p, bert)
+    _checkpointing(p)
+    _logging(p)
+    return p
+
+
+def parse_args(task: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv``; with no data flags, default to the embedded corpus and a small model."""
+    parser = build_parser(task)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.task = task
+    args.embedded_data = not args.data_path and not args.mock_data
+    if args.embedded_data:
+        given = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
+        flags = {a.dest: set(a.option_strings) for a in parser._actions}
+        for name, value in EMBEDDED_DEFAULTS.items():
+            if not flags[name] & given:
+                setattr(args, name, value)
+        if args.tensorboard_dir is None:
+            args.tensorboard_dir = os.path.join("runs", f"pretrain_{task}-embedded")
+    return args
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> None:
+    """Raise one ConfigError for the first contradiction among the arguments and the world size."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        raise ConfigError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    if world_size % (tp * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
+    if pp > 1:
+        raise ConfigError(
+            f"--pipeline-model-parallel-size {pp} needs a pipeline engine; --engine {args.engine} has none"
+        )
+    dp = world_size // (tp * pp)
+    args.data_parallel_size = dp
+    for name in ("micro_batch_size", "train_iters", "lr"):
+        if getattr(args, name) is None:
+            raise ConfigError(f"--{name.replace('_', '-')} is required")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ConfigError(
+            f"global batch size ({args.global_batch_size}) is not divisible by micro batch size "
+            f"({args.micro_batch_size}) x data-parallel size ({dp})"
+        )
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 are mutually exclusive")
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        raise ConfigError("give --lr-warmup-fraction or --lr-warmup-iters, not both")
+    if args.save_interval and not args.save:
+        raise ConfigError("--save-interval needs --save DIR")
+    if args.finetune and not args.load:
+        raise ConfigError("--finetune needs --load DIR")
+    if args.load_hf and args.hf_config:
+        raise ConfigError("--load-hf takes its config from the checkpoint; drop --hf-config")
+    if args.data_path and args.mock_data:
+        raise ConfigError("give --data-path or --mock-data, not both")
+    if args.embedded_data and (args.tokenizer_type or args.vocab_file or args.merge_file):
+        raise ConfigError("tokenizer flags need --data-path (the embedded corpus brings its own tokenizer)")
+    if not args.embedded_data and args.tokenizer_type is None:
+        raise ConfigError("--tokenizer-type is required with --data-path / --mock-data")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length is None and not args.hf_config and not args.load_hf:
+        raise ConfigError("--seq-length is required")
+    if args.seq_length and args.max_position_embeddings and args.seq_length > args.max_position_embeddings:
+        raise ConfigError(
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}"
+        )
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    warmup = (
+        args.lr_warmup_iters if args.lr_warmup_fraction is None else int(args.lr_warmup_fraction * args.lr_decay_iters)
+    )
+    if args.lr_decay_style != "constant" and warmup >= args.lr_decay_iters:
+        raise ConfigError(f"LR warmup ({warmup} iterations) must end before the decay does ({args.lr_decay_iters})")

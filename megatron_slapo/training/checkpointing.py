@@ -1,0 +1,216 @@
+"""Megatron-layout checkpoints, written atomically, resumable exactly.
+
+Layout (Megatron-LM's legacy format)::
+
+    SAVE/latest_checkpointed_iteration.txt
+    SAVE/iter_0000100/mp_rank_00/model_optim_rng.pt        (one file per TP rank; _PPP with PP)
+
+Each file holds this TP rank's model shards, the optimizer, LR scheduler and loss-scaler state, the
+RNG states of every data-parallel rank, the iteration and the consumed samples (the data
+position), plus what export needs: each tensor's shard layout, the HF config and the vocabulary
+padding. An iteration is written into ``iter_XXXXXXX.tmp`` and renamed when every rank is done;
+``latest_checkpointed_iteration.txt`` is replaced only after that, so a run killed mid-save
+resumes from the previous checkpoint. Files are read with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_slapo.engines.base import Engine
+from megatron_slapo.errors import CheckpointError
+from megatron_slapo.parallel.random import get_rng_tracker
+
+LATEST = "latest_checkpointed_iteration.txt"
+FILENAME = "model_optim_rng.pt"
+VERSION = 3.0
+
+
+@dataclass
+class Layout:
+    """Where this rank sits: its TP/PP/DP coordinates decide its file and whether it writes."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_group: dist.ProcessGroup | None
+
+    @classmethod
+    def current(cls) -> Layout:
+        """This process's coordinates, from megatron-core's parallel_state."""
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(), dp_group=ps.get_data_parallel_group(),
+        )  # fmt: skip
+
+    def rank_dir(self) -> str:
+        return f"mp_rank_{self.tp_rank:02d}" + (f"_{self.pp_rank:03d}" if self.pp_size > 1 else "")
+
+
+@dataclass
+class Resume:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+
+
+def iteration_dir(base: str, iteration: int) -> str:
+    return os.path.join(base, f"iter_{iteration:07d}")
+
+
+def _rng_state() -> dict[str, Any]:
+    name, keys, pos, has_gauss, gauss = numpy.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(numpy.int64)), "pos": pos,
+                  "has_gauss": has_gauss, "gauss": gauss},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "tracker": get_rng_tracker().get_states(),
+    }  # fmt: skip
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np = state["numpy"]
+    numpy.random.set_state(
+        (np["name"], np["keys"].numpy().astype(numpy.uint32), np["pos"], np["has_gauss"], np["gauss"])
+    )
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and state["cuda"]:
+        torch.cuda.set_rng_state_all(state["cuda"])
+    get_rng_tracker().set_states(state["tracker"])
+
+
+def export_metadata(model: nn.Module, args: argparse.Namespace, config: Any, vocab_params: list[str]) -> dict:
+    """What ``tools/convert_checkpoint.py`` needs to rebuild the HF model from the shards."""
+    shards = {
+        name: [t.partition_dim, t.partition_stride]
+        for name, t in model.state_dict(keep_vars=True).items()
+        if getattr(t, "tensor_model_parallel", False)
+    }
+    return {
+        "task": args.task,
+        "model_class": type(model).__name__,
+        "hf_config": config.to_json_string(),
+        "shards": shards,
+        "vocab": {"true": args.true_vocab_size, "padded": args.padded_vocab_size, "params": vocab_params},
+        "tensor_parallel_size": args.tensor_model_parallel_size,
+    }
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save(
+    engine: Engine, args: argparse.Namespace, layout: Layout, resume: Resume, metadata: dict
+) -> str:  # fmt: skip
+    """Write iteration ``resume.iteration`` to ``args.save`` atomically; return its directory."""
+    final = iteration_dir(args.save, resume.iteration)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    rng = [None] * dist.get_world_size(layout.dp_group)
+    dist.all_gather_object(rng, _rng_state(), group=layout.dp_group)
+    state = engine.state_dict(include_optimizer=not args.no_save_optim)
+    if layout.dp_rank == 0:
+        state.update(
+            checkpoint_version=VERSION, iteration=resume.iteration, args=json.dumps(vars(args), default=str),
+            rng_state=rng, consumed_train_samples=resume.consumed_train_samples,
+            consumed_valid_samples=resume.consumed_valid_samples, slapo=metadata,
+        )  # fmt: skip
+        path = os.path.join(tmp, layout.rank_dir(), FILENAME)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(state, path + ".partial")
+        os.replace(path + ".partial", path)
+    _barrier()
+    if dist.get_rank() == 0:
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest = os.path.join(args.save, LATEST)
+        with open(latest + ".tmp", "w") as f:
+            f.write(str(resume.iteration))
+        os.replace(latest + ".tmp", latest)
+    _barrier()
+    return final
+
+
+def latest_iteration(load_dir: str) -> int | None:
+    """The iteration named by ``latest_checkpointed_iteration.txt``; None if there is no checkpoint yet."""
+    if not os.path.isdir(load_dir):
+        raise CheckpointError(f"--load {load_dir}: no such directory")
+    path = os.path.join(load_dir, LATEST)
+    if not os.path.exists(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path} should hold an iteration number, found {text[:40]!r}")
+    return int(text)
+
+
+def checkpoint_file(load_dir: str, layout: Layout) -> str | None:
+    """This rank's file of the latest checkpoint (checked to exist), or None when there is none."""
+    iteration = latest_iteration(load_dir)
+    if iteration is None:
+        return None
+    path = os.path.join(iteration_dir(load_dir, iteration), layout.rank_dir(), FILENAME)
+    if not os.path.isfile(path):
+        saved = (
+            sorted(os.listdir(iteration_dir(load_dir, iteration)))
+            if os.path.isdir(iteration_dir(load_dir, iteration))
+            else []
+        )
+        raise CheckpointError(
+            f"checkpoint {path} is missing (saved: {saved or 'nothing'}); was it written with another "
+            f"tensor/pipeline-parallel size? tools/convert_checkpoint.py converts between sizes"
+        )
+    return path
+
+
+def read(path: str, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Load one checkpoint file safely (weights only)."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e)[:200]}") from e
+
+
+def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str) -> Resume:
+    """Restore what ``save`` wrote (honouring --finetune / --no-load-optim / --no-load-rng)."""
+    state = read(path)
+    saved_tp = state.get("slapo", {}).get("tensor_parallel_size")
+    if saved_tp not in (None, layout.tp_size):
+        raise CheckpointError(f"{path} was saved with tensor-parallel size {saved_tp}, this run uses {layout.tp_size}")
+    try:
+        engine.load_state_dict(state, load_optimizer=not (args.finetune or args.no_load_optim))
+    except RuntimeError as e:  # shape or key mismatch
+        raise CheckpointError(f"{path} does not fit this model: {str(e)[:300]}") from e
+    if args.finetune:
+        return Resume()
+    if not args.no_load_rng:
+        states = state["rng_state"]
+        if layout.dp_rank >= len(states):
+            raise CheckpointError(f"{path} holds RNG states for {len(states)} data-parallel ranks; pass --no-load-rng")
+        _set_rng_state(states[layout.dp_rank])
+    return Resume(state["iteration"], state["consumed_train_samples"], state["consumed_valid_samples"])

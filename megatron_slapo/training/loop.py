@@ -1,0 +1,260 @@
+"""The pretraining loop behind ``pretrain_gpt.py`` and ``pretrain_bert.py``.
+
+:func:`pretrain` does, in order: parse and validate arguments, start the process groups, check the
+data (and the checkpoint to resume from), build the HF model on the meta device, apply the named
+schedule, materialise this rank's shards, hand the model to the engine, and train: micro-batches
+from a resumable sampler, one engine step per iteration, the Megatron log line, evaluation,
+checkpoints. Every input problem it can detect is reported as one line before training starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+import megatron_slapo as ms
+from megatron_slapo import parallel
+from megatron_slapo.data import embedded
+from megatron_slapo.data.datasets import SplitSizes
+from megatron_slapo.data.samplers import data_loader
+from megatron_slapo.data.tokenizers import build_tokenizer
+from megatron_slapo.engines import ENGINES
+from megatron_slapo.engines.base import Engine
+from megatron_slapo.errors import CheckpointError, ConfigError, SchedulingError
+from megatron_slapo.training import checkpointing
+from megatron_slapo.training.arguments import parse_args, validate_args
+from megatron_slapo.training.checkpointing import Layout, Resume
+from megatron_slapo.training.flops import device_peak_tflops, flops_per_token
+from megatron_slapo.training.model import build_config, create_model, transformer_layers, vocab_parameter_names
+from megatron_slapo.training.reporting import Reporter
+from megatron_slapo.training.tasks import BERTTask, GPTTask
+from schedules import describe, get_schedule
+
+
+class TrainingStopped(RuntimeError):
+    """Training cannot go on (e.g. the loss diverged); the message says why."""
+
+
+@dataclass
+class Run:
+    """Everything :func:`train` needs, assembled by :func:`setup`."""
+
+    args: argparse.Namespace
+    task: GPTTask | BERTTask
+    engine: Engine
+    layout: Layout
+    resume: Resume
+    datasets: tuple
+    reporter: Reporter
+    metadata: dict
+
+
+def print_rank_0(*values: Any) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*values, flush=True)
+
+
+@contextlib.contextmanager
+def user_errors(prog: str) -> Iterator[None]:
+    """Report input errors as one line (no traceback) and exit with status 2."""
+    try:
+        yield
+    except (ConfigError, SchedulingError, FileNotFoundError) as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank == 0 or isinstance(e, CheckpointError):
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _use_embedded_data(args: argparse.Namespace) -> None:
+    cache = args.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "megatron_slapo")
+    if dist.get_rank() == 0:
+        embedded.prepare(args.task, cache)
+    dist.barrier()
+    data = embedded.prepare(args.task, cache)
+    args.data_path, args.tokenizer_type = [data.prefix], data.tokenizer_type
+    args.vocab_file, args.merge_file = data.vocab_file, data.merge_file
+    print_rank_0(f"> no --data-path: training on the embedded corpus (Python's help topics) at {data.prefix}")
+
+
+def _split_sizes(args: argparse.Namespace) -> SplitSizes:
+    """Samples per split: every iteration, every evaluation (periodic + final); no test pass is run."""
+    gbs = args.global_batch_size
+    evaluations = args.train_iters // args.eval_interval + 1 if args.eval_iters else 0
+    return SplitSizes(args.train_iters * gbs, evaluations * args.eval_iters * gbs, 0)
+
+
+def _apply_recompute(sch: ms.Schedule, args: argparse.Namespace, num_layers: int) -> None:
+    if args.recompute_granularity != "full":
+        return
+    layers = transformer_layers(sch.mod, num_layers)
+    if args.recompute_method == "uniform":
+        if args.recompute_num_layers != 1:
+            raise ConfigError("--recompute-method uniform recomputes each layer: use --recompute-num-layers 1")
+        chosen = layers
+    else:
+        chosen = layers[: args.recompute_num_layers]
+    for path in chosen:
+        sch[path].checkpoint()
+
+
+def setup(args: argparse.Namespace) -> Run:
+    """Validate, initialise, build: everything before the first training step."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    validate_args(args, world)
+    schedule = get_schedule(args.schedule)
+    parallel.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=args.seed)
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    layout = Layout.current()
+    if args.embedded_data:
+        _use_embedded_data(args)
+    tokenizer = build_tokenizer(
+        args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model, args.vocab_size
+    )
+    config = build_config(args, tokenizer)
+    if args.seq_length is None:
+        args.seq_length = config.max_position_embeddings
+    print_rank_0(
+        f"> padded vocab (size: {args.true_vocab_size}) with {args.padded_vocab_size - args.true_vocab_size} "
+        f"dummy tokens (new size: {args.padded_vocab_size})"
+    )
+    tp_group = parallel.tensor_parallel_group()
+    task_cls = GPTTask if args.task == "gpt" else BERTTask
+    task = task_cls(args.padded_vocab_size, tp_group)
+    if args.task == "bert":
+        task.binary_head = args.bert_binary_head and args.model_type != "roberta"
+    datasets = task.build_datasets(args, tokenizer, _split_sizes(args))
+    resume_path = checkpointing.checkpoint_file(args.load, layout) if args.load else None
+
+    model = create_model(args, config)
+    tokens_per_iteration = args.global_batch_size * args.seq_length
+    flops = flops_per_token(model, config.num_hidden_layers, config.hidden_size, args.seq_length, config.vocab_size)
+    metadata_vocab = vocab_parameter_names(model)
+    sch = ms.create_schedule(model)
+    schedule.apply(sch, config, args)
+    _apply_recompute(sch, args, config.num_hidden_layers)
+    if layout.tp_size > 1 and not any(node.metadata.shards for _, node in sch.named_schedules()):
+        raise ConfigError(
+            f"--schedule {args.schedule} shards nothing, but --tensor-model-parallel-size is {layout.tp_size}; "
+            "use a tensor-parallel schedule (see --schedule list)"
+        )
+    model = ms.build(sch, seed=args.seed)
+    local = sum(p.numel() for p in model.parameters())
+    print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {local}")
+
+    init_num_microbatches_calculator(
+        dist.get_rank(), None, args.global_batch_size, args.micro_batch_size, args.data_parallel_size
+    )
+    engine = ENGINES[args.engine](model, args, layout.dp_group, tp_group)
+    resume = Resume()
+    if resume_path:
+        resume = checkpointing.load(engine, args, layout, resume_path)
+        print_rank_0(f" > loaded checkpoint {resume_path} at iteration {resume.iteration}")
+    elif args.load:
+        print_rank_0(f" > no checkpoint in {args.load} yet: starting from iteration 0")
+    metadata = checkpointing.export_metadata(model, args, config, metadata_vocab)
+    reporter = Reporter(args, flops * tokens_per_iteration, tokens_per_iteration, device_peak_tflops(args.peak_tflops))
+    return Run(args, task, engine, layout, resume, datasets, reporter, metadata)
+
+
+def _batches(loader) -> Iterator:
+    while True:  # datasets are sized for the whole run; cycling only guards against rounding
+        yield from loader
+
+
+def evaluate(run: Run, batches: Iterator, iterations: int, num_microbatches: int) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for _ in range(iterations):
+        metrics = run.engine.eval_step([next(batches) for _ in range(num_microbatches)], run.task.loss)
+        for k, v in metrics.items():
+            totals[k] = totals.get(k, 0.0) + v
+    return {k: v / iterations for k, v in totals.items()}
+
+
+def train(run: Run) -> Resume:
+    """Train from ``run.resume`` to ``--train-iters`` (or ``--exit-interval``); return where it stopped."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.timers import Timers
+
+    args, layout, state = run.args, run.layout, run.resume
+    n_micro = get_num_microbatches()
+    dp_rank, dp_size = layout.dp_rank, args.data_parallel_size
+    train_set, valid_set, test_set = run.datasets
+    loader = data_loader(
+        train_set, state.consumed_train_samples, args.micro_batch_size, dp_rank, dp_size, args.num_workers
+    )
+    train_batches = _batches(loader)
+    valid_batches = None
+    if valid_set is not None and args.eval_iters:
+        valid_loader = data_loader(valid_set, state.consumed_valid_samples, args.micro_batch_size, dp_rank, dp_size,
+                                   args.num_workers)  # fmt: skip
+        valid_batches = _batches(valid_loader)
+    saved_at = state.iteration if args.load else None
+    nan_streak = 0
+    print_rank_0(
+        f"> training from iteration {state.iteration} to {args.train_iters} ({n_micro} micro-batches per step)"
+    )
+    timers = Timers(log_level=0, log_option="minmax")
+    while state.iteration < args.train_iters:
+        timers("iteration-time", log_level=0).start()
+        result = run.engine.train_step([next(train_batches) for _ in range(n_micro)], run.task.loss)
+        timers("iteration-time").stop()
+        state.iteration += 1
+        state.consumed_train_samples += args.global_batch_size
+        seconds = timers("iteration-time").elapsed()
+        run.reporter.step(state.iteration, state.consumed_train_samples, result, seconds)
+        finite = all(math.isfinite(v) for v in result.metrics.values())
+        nan_streak = 0 if finite and not result.skipped else nan_streak + 1
+        if nan_streak >= args.max_consecutive_nan_iterations:
+            raise TrainingStopped(
+                f"stopping at iteration {state.iteration}: {nan_streak} consecutive iterations had a NaN/inf loss "
+                "or gradient (try a lower --lr or --clip-grad, or --bf16 instead of --fp16)"
+            )
+        if valid_batches and args.eval_interval and state.iteration % args.eval_interval == 0:
+            metrics = evaluate(run, valid_batches, args.eval_iters, n_micro)
+            state.consumed_valid_samples += args.eval_iters * args.global_batch_size
+            run.reporter.validation(state.iteration, state.consumed_train_samples, metrics)
+        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+            checkpointing.save(run.engine, args, layout, state, run.metadata)
+            saved_at = state.iteration
+        if args.exit_interval and state.iteration % args.exit_interval == 0:
+            print_rank_0(f"exiting program at iteration {state.iteration} (--exit-interval)")
+            break
+    if args.save and saved_at != state.iteration:
+        path = checkpointing.save(run.engine, args, layout, state, run.metadata)
+        print_rank_0(f"> saved checkpoint {path}")
+    if valid_batches and state.iteration >= args.train_iters:
+        metrics = evaluate(run, valid_batches, args.eval_iters, n_micro)
+        run.reporter.validation(state.iteration, state.consumed_train_samples, metrics, "validation (end of training)")
+    return state
+
+
+def pretrain(task: str, argv: list[str] | None = None) -> Resume | None:
+    """Entry point of ``pretrain_{task}.py``; returns where training stopped (for tests)."""
+    prog = f"pretrain_{task}.py"
+    args = parse_args(task, argv)
+    if args.schedule == "list":
+        print(describe())
+        return None
+    with user_errors(prog):
+        run = setup(args)
+    try:
+        return train(run)
+    except TrainingStopped as e:
+        if dist.get_rank() == 0:
+            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        run.reporter.close()
+        from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
+        destroy_num_microbatches_calculator()

@@ -1,0 +1,145 @@
+"""The HF model a run trains: from Megatron's size flags, an HF config, or pretrained weights.
+
+The model is created on the meta device (``build`` gives each rank only its shards) unless
+``--load-hf`` starts from real pretrained weights. The vocabulary is padded the way Megatron pads
+it, to a multiple of ``--make-vocab-size-divisible-by`` x TP size, so that it shards evenly; the
+padding is recorded so that export can drop it again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from megatron_slapo.errors import ConfigError
+
+# family -> (config class, model class for its task)
+FAMILIES: dict[str, tuple[str, str]] = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
+    "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM"),
+    "opt": ("OPTConfig", "OPTForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "bert": ("BertConfig", "BertForPreTraining"),
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM"),
+    "albert": ("AlbertConfig", "AlbertForPreTraining"),
+}
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Megatron's padding: the next multiple of ``divisible_by * tensor_parallel``."""
+    multiple = divisible_by * tensor_parallel
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def _from_flags(args: argparse.Namespace, vocab: int, tokenizer: Any) -> transformers.PretrainedConfig:
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        if getattr(args, name) is None:
+            raise ConfigError(f"--{name.replace('_', '-')} is required (or give --hf-config / --load-hf)")
+    L, h, a, s = args.num_layers, args.hidden_size, args.num_attention_heads, args.max_position_embeddings
+    ffn = args.ffn_hidden_size or 4 * h
+    hd, ad, std = args.hidden_dropout, args.attention_dropout, args.init_method_std
+    eod = getattr(tokenizer, "eod", None)
+    kind = args.model_type
+    cls = getattr(transformers, FAMILIES[kind][0])
+    if kind == "gpt2":
+        return cls(vocab_size=vocab, n_positions=s, n_embd=h, n_layer=L, n_head=a, n_inner=ffn, resid_pdrop=hd,
+                   embd_pdrop=hd, attn_pdrop=ad, initializer_range=std, bos_token_id=eod, eos_token_id=eod)  # fmt: skip
+    if kind == "gpt_neo":
+        return cls(vocab_size=vocab, max_position_embeddings=s, hidden_size=h, num_layers=L, num_heads=a,
+                   intermediate_size=ffn, attention_types=[[["global"], L]], resid_dropout=hd, embed_dropout=hd,
+                   attention_dropout=ad, initializer_range=std, bos_token_id=eod, eos_token_id=eod)  # fmt: skip
+    if kind == "opt":
+        return cls(vocab_size=vocab, max_position_embeddings=s, hidden_size=h, num_hidden_layers=L, ffn_dim=ffn,
+                   num_attention_heads=a, word_embed_proj_dim=h, dropout=hd, attention_dropout=ad, init_std=std,
+                   bos_token_id=eod, eos_token_id=eod, pad_token_id=eod)  # fmt: skip
+    if kind == "llama":
+        return cls(vocab_size=vocab, max_position_embeddings=s, hidden_size=h, num_hidden_layers=L,
+                   intermediate_size=args.ffn_hidden_size or int(8 * h / 3 / 64 + 1) * 64, num_attention_heads=a,
+                   num_key_value_heads=args.num_query_groups or a, attention_dropout=ad, initializer_range=std,
+                   bos_token_id=eod, eos_token_id=eod, tie_word_embeddings=False)  # fmt: skip
+    common = dict(vocab_size=vocab, hidden_size=h, num_hidden_layers=L, num_attention_heads=a, intermediate_size=ffn,
+                  max_position_embeddings=s, hidden_dropout_prob=hd, attention_probs_dropout_prob=ad,
+                  initializer_range=std, pad_token_id=getattr(tokenizer, "pad", 0))  # fmt: skip
+    if kind == "albert":
+        common["embedding_size"] = min(128, h)
+    if kind == "roberta":
+        common["max_position_embeddings"] = s + 2  # RoBERTa offsets positions by padding_idx + 1
+    return cls(**common)
+
+
+def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.PretrainedConfig:
+    """The HF config of the run, with the padded vocabulary, checked against the TP size."""
+    tp = args.tensor_model_parallel_size
+    args.true_vocab_size = tokenizer.vocab_size
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, tp)
+    if args.load_hf or args.hf_config:
+        source = args.load_hf or args.hf_config
+        try:
+            config = transformers.AutoConfig.from_pretrained(source)
+        except OSError as e:
+            raise ConfigError(f"cannot read an HF config from {source!r}: {e}") from e
+        config.vocab_size = max(config.vocab_size, args.padded_vocab_size)
+        if config.vocab_size % tp:
+            config.vocab_size = padded_vocab_size(config.vocab_size, args.make_vocab_size_divisible_by, tp)
+        args.padded_vocab_size = config.vocab_size
+    else:
+        config = _from_flags(args, args.padded_vocab_size, tokenizer)
+    check_divisible(config, tp)
+    if args.seq_length and args.seq_length > getattr(config, "max_position_embeddings", args.seq_length):
+        raise ConfigError(
+            f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions"
+        )
+    return config
+
+
+def check_divisible(config: transformers.PretrainedConfig, tp: int) -> None:
+    """Heads, key/value heads and FFN width must split evenly across the TP ranks."""
+    sizes = {
+        "attention heads": getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None),
+        "key/value heads": getattr(config, "num_key_value_heads", None),
+        "FFN hidden size": getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+        or getattr(config, "ffn_dim", None),
+    }  # fmt: skip
+    for what, size in sizes.items():
+        if size and size % tp:
+            raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the {size} {what}")
+
+
+def model_class(args: argparse.Namespace, config: transformers.PretrainedConfig) -> type[nn.Module]:
+    if args.hf_config or args.load_hf:
+        auto = transformers.AutoModelForCausalLM if args.task == "gpt" else transformers.AutoModelForPreTraining
+        return auto._model_mapping[type(config)]
+    return getattr(transformers, FAMILIES[args.model_type][1])
+
+
+def create_model(args: argparse.Namespace, config: transformers.PretrainedConfig) -> nn.Module:
+    """On the meta device, or with ``--load-hf`` the pretrained weights (vocabulary padded)."""
+    cls = model_class(args, config)
+    if args.load_hf:
+        model = cls.from_pretrained(args.load_hf)
+        if model.get_input_embeddings().num_embeddings != config.vocab_size:
+            model.resize_token_embeddings(config.vocab_size, mean_resizing=False)
+        return model
+    with torch.device("meta"):
+        return cls(config)
+
+
+def transformer_layers(model: nn.Module, num_layers: int) -> list[str]:
+    """Paths of the model's transformer layers: the ModuleList with one entry per layer."""
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == num_layers:
+            return [f"{path}.{i}" for i in range(num_layers)]
+    raise ConfigError(f"cannot find the {num_layers} transformer layers of {type(model).__name__}")
+
+
+def vocab_parameter_names(model: nn.Module) -> list[str]:
+    """Names (ties included) of the tensors with one row per vocabulary entry: embedding, LM head, its bias."""
+    out = model.get_output_embeddings()
+    vocab_tensors = [model.get_input_embeddings().weight, getattr(out, "weight", None), getattr(out, "bias", None)]
+    ids = {id(t) for t in vocab_tensors if t is not None}
+    return sorted(n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids)

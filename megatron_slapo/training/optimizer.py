@@ -1,0 +1,73 @@
+"""AdamW with Megatron's parameter groups and LR schedule, and tensor-parallel-aware clipping."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_slapo.parallel.collectives import Group, group_rank, group_size
+
+
+def param_groups(model: nn.Module) -> list[dict]:
+    """Weight decay on matrices only; biases and norm weights (1-D) are not decayed (Megatron)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
+
+
+def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
+    """AdamW; the fused kernel where the parameters live on CUDA."""
+    on_cuda = next(model.parameters()).is_cuda
+    return torch.optim.AdamW(
+        param_groups(model), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+        weight_decay=args.weight_decay, fused=on_cuda or None,
+    )  # fmt: skip
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace):
+    """megatron-core's OptimizerParamScheduler, stepped in samples like Megatron-LM."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    gbs = args.global_batch_size
+    warmup_iters = args.lr_warmup_iters
+    if args.lr_warmup_fraction is not None:
+        warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
+    )  # fmt: skip
+
+
+def grad_norm(params: list[nn.Parameter], tp_group: Group) -> float:
+    """The L2 norm of the whole model's gradient under tensor parallelism.
+
+    A sharded parameter contributes its shard on every TP rank; a replicated one is counted once
+    (on TP rank 0), as in Megatron's ``param_is_not_tensor_parallel_duplicate``.
+    """
+    first = group_rank(tp_group) == 0
+    grads = [p.grad for p in params if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or first)]
+    device = params[0].device if params else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        total += g.detach().float().pow(2).sum()
+    if group_size(tp_group) > 1:
+        dist.all_reduce(total, group=tp_group)
+    return math.sqrt(total.item())
+
+
+@torch.no_grad()
+def clip_grads(params: list[nn.Parameter], max_norm: float, norm: float) -> None:
+    """Scale gradients so that their global norm is at most ``max_norm``."""
+    if max_norm > 0 and norm > max_norm:
+        coeff = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coeff)

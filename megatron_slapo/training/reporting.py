@@ -1,0 +1,153 @@
+"""The Megatron log line and TensorBoard scalars (written by the last rank, as Megatron does).
+
+The line keeps Megatron-LM's fields, order and number formats, then adds tokens/s and MFU::
+
+    [2026-11-22 10:00:00] iteration       20/     100 | consumed samples:          640 | elapsed time per
+    iteration (ms): 812.3 | throughput per GPU (TFLOP/s/GPU): 41.2 | learning rate: 1.500000E-04 | global
+    batch size:    32 | lm loss: 6.512345E+00 | loss scale: 1.0 | grad norm: 1.234 | number of skipped
+    iterations:   0 | number of nan iterations:   0 | tokens per second: 40210 | MFU: 4.2% |
+
+TensorBoard gets Megatron's tags (``lm loss``, ``lm loss vs samples``, ``learning-rate``,
+``batch-size``, ``iteration-time``, ``throughput``, ``loss-scale``, ``grad-norm``, ``world-size``,
+``lm loss validation`` ...) plus torchtitan's ``throughput(tps)``, ``tflops`` and ``mfu(%)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_slapo.engines.base import StepResult
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def memory_stats() -> dict[str, float]:
+    """Device memory (CUDA) or the process's peak resident set (CPU), in bytes."""
+    if torch.cuda.is_available():
+        return {
+            "mem-allocated-bytes": torch.cuda.memory_allocated(),
+            "mem-max-allocated-bytes": torch.cuda.max_memory_allocated(),
+            "mem-reserved-bytes": torch.cuda.memory_reserved(),
+        }
+    return {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+class Reporter:
+    """Accumulates a log interval of steps; prints the log line; writes TensorBoard scalars."""
+
+    def __init__(self, args: argparse.Namespace, flops_per_iteration: float, tokens_per_iteration: int,
+                 peak_tflops: float | None) -> None:  # fmt: skip
+        self.args = args
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.is_last = (dist.get_rank() if dist.is_initialized() else 0) == self.world - 1
+        self.flops, self.tokens, self.peak = flops_per_iteration, tokens_per_iteration, peak_tflops
+        self.writer = None
+        if self.is_last and args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=10)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.steps = self.skipped = self.nans = 0
+        self.seconds = 0.0
+
+    def print(self, line: str) -> None:
+        if self.is_last:
+            print(line, flush=True)
+
+    def _rates(self, seconds_per_iteration: float) -> tuple[float, float, float | None]:
+        tflops = self.flops / (seconds_per_iteration * 1e12 * self.world)
+        tokens_per_second = self.tokens / seconds_per_iteration
+        mfu = 100 * tflops / self.peak if self.peak else None
+        return tflops, tokens_per_second, mfu
+
+    def step(self, iteration: int, consumed: int, result: StepResult, seconds: float) -> None:
+        """Record one iteration; print the line at every ``--log-interval``."""
+        finite = all(math.isfinite(v) for v in result.metrics.values())
+        self.steps += 1
+        self.seconds += seconds
+        self.skipped += int(result.skipped)
+        self.nans += int(not finite)
+        if finite and not result.skipped:
+            for k, v in result.metrics.items():
+                self.sums[k] = self.sums.get(k, 0.0) + v
+        if self.writer and iteration % self.args.tensorboard_log_interval == 0:
+            self._scalars(iteration, consumed, result, seconds)
+        if iteration % self.args.log_interval == 0:
+            self._line(iteration, consumed, result)
+            self._reset()
+
+    def _scalars(self, iteration: int, consumed: int, result: StepResult, seconds: float) -> None:
+        tflops, tps, mfu = self._rates(seconds)
+        scalars = {
+            "learning-rate": result.learning_rate, "batch-size": self.args.global_batch_size,
+            "loss-scale": result.loss_scale, "world-size": self.world, "iteration-time": seconds,
+            "throughput": tflops, "throughput(tps)": tps, "tflops": tflops,
+        }  # fmt: skip
+        if mfu is not None:
+            scalars["mfu(%)"] = mfu
+        if result.grad_norm is not None:
+            scalars["grad-norm"] = result.grad_norm
+        if self.args.log_memory_to_tensorboard:
+            scalars.update(memory_stats())
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, iteration)
+        for name, value in result.metrics.items():
+            self.writer.add_scalar(name, value, iteration)
+            self.writer.add_scalar(f"{name} vs samples", value, consumed)
+
+    def _line(self, iteration: int, consumed: int, result: StepResult) -> None:
+        per_iteration = self.seconds / max(self.steps, 1)
+        tflops, tps, mfu = self._rates(per_iteration)
+        counted = max(self.steps - self.skipped - self.nans, 1)
+        fields = [
+            f"[{_now()}] iteration {iteration:8d}/{self.args.train_iters:8d}",
+            f"consumed samples: {consumed:12d}",
+            f"elapsed time per iteration (ms): {per_iteration * 1000:.1f}",
+            f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}"
+            if tflops >= 1
+            else f"throughput per GPU (TFLOP/s/GPU): {tflops:.3f}",
+            f"learning rate: {result.learning_rate:.6E}",
+            f"global batch size: {self.args.global_batch_size:5d}",
+            *(f"{name}: {value / counted:.6E}" for name, value in sorted(self.sums.items())),
+            f"loss scale: {result.loss_scale:.1f}",
+        ]
+        if result.grad_norm is not None:
+            fields.append(f"grad norm: {result.grad_norm:.3f}")
+        fields += [
+            f"number of skipped iterations: {self.skipped:3d}",
+            f"number of nan iterations: {self.nans:3d}",
+            f"tokens per second: {tps:.0f}",
+            f"MFU: {mfu:.1f}%" if mfu is not None else "MFU: n/a (no peak FLOP/s known for a CPU; see --peak-tflops)",
+        ]
+        self.print(" | ".join(fields) + " |")
+
+    def validation(self, iteration: int, consumed: int, metrics: dict[str, float], label: str = "validation") -> None:
+        parts = []
+        for name, value in sorted(metrics.items()):
+            ppl = math.exp(min(20.0, value))
+            parts.append(f"{name} value: {value:.6E} | {name} PPL: {ppl:.6E}")
+            if self.writer:
+                self.writer.add_scalar(f"{name} {label}", value, iteration)
+                self.writer.add_scalar(f"{name} {label} vs samples", value, consumed)
+                if self.args.log_validation_ppl_to_tensorboard:
+                    self.writer.add_scalar(f"{name} {label} ppl", ppl, iteration)
+        text = f" {label} loss at iteration {iteration} | " + " | ".join(parts) + " |"
+        self.print("-" * len(text) + "\n" + text + "\n" + "-" * len(text))
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.flush()
+            self.writer.close()
+        sys.stdout.flush()

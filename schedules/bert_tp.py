@@ -1,0 +1,37 @@
+"""Megatron-style tensor parallelism for HF BERT and RoBERTa (pretraining and masked-LM heads).
+
+Vocabulary-parallel word embedding and (tied) MLM decoder, whose logits stay split across ranks
+for the vocabulary-parallel loss; q, k, v and the intermediate dense layer column-parallel; the
+attention output and output dense layers row-parallel. Pooler, SOP head and LayerNorms replicate.
+"""
+
+from typing import Any
+
+from megatron_slapo.parallel.plans import (
+    ColumnParallel,
+    RowParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    apply_plan,
+)
+from megatron_slapo.schedule import Schedule
+
+HEADS = {"bert": "cls.predictions.decoder", "roberta": "lm_head.decoder"}
+
+
+def plan(prefix: str) -> dict:
+    layer = f"{prefix}.encoder.layer.*"
+    return {
+        f"{prefix}.embeddings.word_embeddings": VocabParallelEmbedding(),
+        f"{layer}.attention.self.query": ColumnParallel(),
+        f"{layer}.attention.self.key": ColumnParallel(),
+        f"{layer}.attention.self.value": ColumnParallel(),
+        f"{layer}.attention.output.dense": RowParallel(),
+        f"{layer}.intermediate.dense": ColumnParallel(),
+        f"{layer}.output.dense": RowParallel(),
+        HEADS[prefix]: VocabParallelHead(causal=False),
+    }
+
+
+def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
+    apply_plan(sch, plan(sch.mod.base_model_prefix))

@@ -1,0 +1,30 @@
+"""Megatron-style tensor parallelism for HF GPT-Neo (GPTNeoForCausalLM)."""
+
+from typing import Any
+
+from megatron_slapo.parallel.plans import (
+    ColumnParallel,
+    LocalHeads,
+    RowParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    apply_plan,
+)
+from megatron_slapo.schedule import Schedule
+
+ATTN = "transformer.h.*.attn.attention"
+PLAN = {
+    "transformer.wte": VocabParallelEmbedding(),
+    ATTN: LocalHeads("num_heads", "embed_dim"),  # GPT-Neo splits heads with self.num_heads
+    f"{ATTN}.q_proj": ColumnParallel(),
+    f"{ATTN}.k_proj": ColumnParallel(),
+    f"{ATTN}.v_proj": ColumnParallel(),
+    f"{ATTN}.out_proj": RowParallel(),
+    "transformer.h.*.mlp.c_fc": ColumnParallel(),
+    "transformer.h.*.mlp.c_proj": RowParallel(),
+    "lm_head": VocabParallelHead(),
+}
+
+
+def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
+    apply_plan(sch, PLAN)

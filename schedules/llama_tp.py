@@ -1,0 +1,28 @@
+"""Megatron-style tensor parallelism for HF Llama (LlamaForCausalLM), grouped-query attention included."""
+
+from typing import Any
+
+from megatron_slapo.parallel.plans import (
+    ColumnParallel,
+    RowParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    apply_plan,
+)
+from megatron_slapo.schedule import Schedule
+
+PLAN = {
+    "model.embed_tokens": VocabParallelEmbedding(),
+    "model.layers.*.self_attn.q_proj": ColumnParallel(),
+    "model.layers.*.self_attn.k_proj": ColumnParallel(),  # key/value heads split too: TP must divide them
+    "model.layers.*.self_attn.v_proj": ColumnParallel(),
+    "model.layers.*.self_attn.o_proj": RowParallel(),
+    "model.layers.*.mlp.gate_proj": ColumnParallel(),
+    "model.layers.*.mlp.up_proj": ColumnParallel(),
+    "model.layers.*.mlp.down_proj": RowParallel(),
+    "lm_head": VocabParallelHead(),
+}
+
+
+def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
+    apply_plan(sch, PLAN)

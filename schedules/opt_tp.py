@@ -1,0 +1,30 @@
+"""Megatron-style tensor parallelism for HF OPT (OPTForCausalLM)."""
+
+from typing import Any
+
+from megatron_slapo.parallel.plans import (
+    ColumnParallel,
+    LocalHeads,
+    RowParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    apply_plan,
+)
+from megatron_slapo.schedule import Schedule
+
+LAYER = "model.decoder.layers.*"
+PLAN = {
+    "model.decoder.embed_tokens": VocabParallelEmbedding(),
+    f"{LAYER}.self_attn": LocalHeads("num_heads", "embed_dim"),  # OPT reshapes with self.num_heads
+    f"{LAYER}.self_attn.q_proj": ColumnParallel(),
+    f"{LAYER}.self_attn.k_proj": ColumnParallel(),
+    f"{LAYER}.self_attn.v_proj": ColumnParallel(),
+    f"{LAYER}.self_attn.out_proj": RowParallel(),
+    f"{LAYER}.fc1": ColumnParallel(),
+    f"{LAYER}.fc2": RowParallel(),
+    "lm_head": VocabParallelHead(),
+}
+
+
+def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
+    apply_plan(sch, PLAN)

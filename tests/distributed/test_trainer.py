@@ -1,0 +1,246 @@
+"""pretrain_gpt.py / pretrain_bert.py end to end on 2 ranks (in-process ``pretrain`` calls).
+
+Losses are read back from the TensorBoard event files the runs write (the last rank writes them)
+and shared with every rank, so that all ranks assert the same thing.
+"""
+
+import json
+import os
+import re
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+import megatron_slapo as ms
+from megatron_slapo.data import embedded
+from megatron_slapo.parallel.collectives import gather_tensor
+from megatron_slapo.training import checkpointing
+from megatron_slapo.training.loop import pretrain
+from schedules import gpt_tp
+from tests.distributed.conftest import use_layout
+from tests.utils import max_diff, tb_scalars, tb_tags
+from tools import convert_checkpoint, preprocess_data, train_tokenizer
+
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "4", "--global-batch-size", "8", "--num-workers", "0"]  # fmt: skip
+TP2 = ["--schedule", "gpt_tp", "--tensor-model-parallel-size", "2"]
+
+
+def last_rank_value(fn):
+    """Run ``fn`` on the last rank (where TensorBoard files and the log line are) and share its result."""
+    box = [fn() if dist.get_rank() == dist.get_world_size() - 1 else None]
+    dist.broadcast_object_list(box, src=dist.get_world_size() - 1)
+    return box[0]
+
+
+@pytest.fixture(scope="module")
+def cache(shared_tmp):
+    return os.path.join(shared_tmp, "cache")
+
+
+def test_embedded_default_run_prints_the_log_line_and_writes_tensorboard(shared_tmp, cache, capsys):
+    tb = os.path.join(shared_tmp, "tb-embedded")
+    state = pretrain("gpt", [*TP2, "--train-iters", "6", "--log-interval", "3", "--eval-interval", "3",
+                             "--tensorboard-dir", tb, "--data-cache-path", cache])  # fmt: skip
+    assert state.iteration == 6 and state.consumed_train_samples == 6 * 16
+    out = capsys.readouterr().out
+    line = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration        6/       6 \| consumed samples:           96 \| "
+    line += r"elapsed time per iteration \(ms\): [\d.]+ \| throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| "
+    line += r"learning rate: [\d.]+E[-+]\d\d \| global batch size:    16 \| lm loss: [\d.]+E\+00 \| loss scale: 1.0 \| "
+    line += r"grad norm: [\d.]+ \| number of skipped iterations:   0 \| number of nan iterations:   0 \|"
+    found = last_rank_value(lambda: bool(re.search(line, out)))
+    tags = last_rank_value(lambda: tb_tags(tb))
+    assert found, "Megatron log line missing"
+    for tag in ("lm loss", "throughput(tps)", "lm loss validation", "learning-rate", "grad-norm", "iteration-time"):
+        assert tag in tags, tag
+
+
+def test_resume_continues_with_the_same_losses(shared_tmp, cache):
+    run = [*TP2, *TINY, "--train-iters", "8", "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1",
+           "--data-cache-path", cache]  # fmt: skip
+    tb, ck = os.path.join(shared_tmp, "tb-resume"), os.path.join(shared_tmp, "ck-resume")
+    pretrain("gpt", [*run, "--tensorboard-dir", f"{tb}/full"])
+    pretrain(
+        "gpt", [*run, "--tensorboard-dir", f"{tb}/a", "--save", ck, "--save-interval", "4", "--exit-interval", "4"]
+    )
+    assert checkpointing.latest_iteration(ck) == 4
+    pretrain("gpt", [*run, "--tensorboard-dir", f"{tb}/b", "--save", ck, "--load", ck])
+    full = last_rank_value(lambda: tb_scalars(f"{tb}/full", "lm loss"))
+    parts = last_rank_value(lambda: {**tb_scalars(f"{tb}/a", "lm loss"), **tb_scalars(f"{tb}/b", "lm loss")})
+    assert sorted(parts) == sorted(full) == list(range(1, 9))
+    assert max(abs(parts[i] - full[i]) for i in full) < 1e-6, (parts, full)
+    assert checkpointing.latest_iteration(ck) == 8 and not os.path.exists(checkpointing.iteration_dir(ck, 8) + ".tmp")
+
+
+def test_tensor_and_data_parallel_layouts_train_alike(shared_tmp, cache):
+    run = [*TINY, "--train-iters", "4", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
+           "--attention-dropout", "0", "--data-cache-path", cache]  # fmt: skip
+    tb = os.path.join(shared_tmp, "tb-layouts")
+    pretrain("gpt", [*run, *TP2, "--tensorboard-dir", f"{tb}/tp"])
+    pretrain("gpt", [*run, "--schedule", "default", "--tensorboard-dir", f"{tb}/dp"])  # DDP over 2 ranks
+    tp = last_rank_value(lambda: tb_scalars(f"{tb}/tp", "lm loss"))
+    dp = last_rank_value(lambda: tb_scalars(f"{tb}/dp", "lm loss"))
+    assert max(abs(tp[i] - dp[i]) for i in tp) < 1e-5, (tp, dp)  # only the reduction order differs
+    assert tp[4] < tp[1]
+
+
+@pytest.fixture(scope="module")
+def preprocessed(shared_tmp):
+    root = os.path.join(shared_tmp, "jsonl")
+    if dist.get_rank() == 0:
+        os.makedirs(root)
+        with open(f"{root}/docs.jsonl", "w") as f:
+            for doc in embedded.documents()[:150]:
+                f.write(json.dumps({"text": doc}) + "\n")
+        train_tokenizer.main(
+            ["--input", f"{root}/docs.jsonl", "--type", "bpe", "--vocab-size", "1000", "--output-dir", root]
+        )
+        train_tokenizer.main(["--input", f"{root}/docs.jsonl", "--type", "wordpiece", "--vocab-size", "1000",
+                              "--output-dir", root])  # fmt: skip
+        common = ["--input", f"{root}/docs.jsonl", "--no-progress", "--workers", "2"]
+        preprocess_data.main(
+            [
+                *common,
+                "--output-prefix",
+                f"{root}/gpt",
+                "--tokenizer-type",
+                "GPT2BPETokenizer",
+                "--vocab-file",
+                f"{root}/vocab.json",
+                "--merge-file",
+                f"{root}/merges.txt",
+                "--append-eod",
+            ]
+        )
+        preprocess_data.main([*common, "--output-prefix", f"{root}/bert", "--tokenizer-type", "BertWordPieceLowerCase",
+                              "--vocab-file", f"{root}/vocab.txt", "--split-sentences"])  # fmt: skip
+    dist.barrier()
+    return root
+
+
+def test_train_gpt_and_bert_on_preprocessed_jsonl(preprocessed, shared_tmp):
+    root, tb = preprocessed, os.path.join(shared_tmp, "tb-jsonl")
+    common = [*TINY, "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0", "--split", "98,2,0"]
+    pretrain("gpt", [*common, *TP2, "--train-iters", "6", "--data-path", f"{root}/gpt_text_document",
+                     "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", f"{root}/vocab.json",
+                     "--merge-file", f"{root}/merges.txt", "--tensorboard-dir", f"{tb}/gpt"])  # fmt: skip
+    pretrain("bert", [*common, "--schedule", "bert_tp", "--tensor-model-parallel-size", "2", "--train-iters", "30",
+                      "--data-path", f"{root}/bert_text_sentence", "--tokenizer-type", "BertWordPieceLowerCase",
+                      "--vocab-file", f"{root}/vocab.txt", "--tensorboard-dir", f"{tb}/bert"])  # fmt: skip
+    gpt = last_rank_value(lambda: tb_scalars(f"{tb}/gpt", "lm loss"))
+    mlm = last_rank_value(lambda: tb_scalars(f"{tb}/bert", "lm loss"))
+    sop = last_rank_value(lambda: tb_scalars(f"{tb}/bert", "sop loss"))
+    assert len(gpt) == 6 and gpt[6] < gpt[1]
+    first, last = sum(mlm[i] for i in range(1, 6)) / 5, sum(mlm[i] for i in range(26, 31)) / 5
+    assert last < first - 0.25, (first, last)  # the masked-LM loss falls (from ln 1000 = 6.9)
+    assert len(sop) == 30
+
+
+def test_hf_export_of_a_tp2_checkpoint_reproduces_the_logits(shared_tmp, cache, rank):
+    ck, hf = os.path.join(shared_tmp, "ck-export"), os.path.join(shared_tmp, "hf-export")
+    # 4096 tokens padded to a multiple of 100 x 2: 104 dummy rows that export must drop.
+    pretrain("gpt", [*TP2, *TINY, "--train-iters", "3", "--eval-iters", "0", "--make-vocab-size-divisible-by", "100",
+                     "--save", ck, "--data-cache-path", cache])  # fmt: skip
+    if rank == 0:
+        convert_checkpoint.main(["to-hf", "--load", ck, "--save-hf", hf])
+    dist.barrier()
+
+    use_layout(2)
+    state = checkpointing.read(
+        os.path.join(checkpointing.iteration_dir(ck, 3), f"mp_rank_{rank:02d}", "model_optim_rng.pt")
+    )
+    config = transformers.GPT2Config.from_dict(json.loads(state["slapo"]["hf_config"]))
+    assert config.vocab_size == 4200 and state["slapo"]["vocab"]["true"] == 4096
+    with torch.device("meta"):
+        trained = transformers.GPT2LMHeadModel(config)
+    sch = ms.create_schedule(trained)
+    gpt_tp.apply(sch, config)
+    ms.build(sch, init_weights=False)
+    trained.load_state_dict(state["model"])
+    exported = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    assert exported.config.vocab_size == 4096 and exported.lm_head.weight is exported.transformer.wte.weight
+    ids = torch.randint(0, 4096, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = gather_tensor(trained.eval()(ids).logits, -1, sch.group)[..., :4096]
+        assert max_diff(exported(ids).logits, logits) < 1e-5
+
+
+def test_hf_to_tp2_checkpoint_and_back(shared_tmp, rank):
+    original_dir, ck, back = (os.path.join(shared_tmp, n) for n in ("hf-orig", "ck-from-hf", "hf-back"))
+    cfg = transformers.GPT2Config(vocab_size=1000, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    if rank == 0:
+        torch.manual_seed(0)
+        transformers.GPT2LMHeadModel(cfg).save_pretrained(original_dir)
+    dist.barrier()
+    convert_checkpoint.main(["from-hf", "--load-hf", original_dir, "--save", ck, "--schedule", "gpt_tp",
+                             "--tensor-model-parallel-size", "2"])  # fmt: skip
+    if rank == 0:
+        convert_checkpoint.main(["to-hf", "--load", ck, "--save-hf", back])
+    dist.barrier()
+    a = transformers.GPT2LMHeadModel.from_pretrained(original_dir).state_dict()
+    b = transformers.GPT2LMHeadModel.from_pretrained(back).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(ck)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--schedule", "nope"], r"unknown schedule 'nope'; available: default, gpt_tp"),
+        (["--global-batch-size", "5", "--micro-batch-size", "2"], r"global batch size \(5\) is not divisible"),
+        ([*TP2, "--num-attention-heads", "3", "--hidden-size", "48"], r"does not divide the 3 attention heads"),
+        (
+            [
+                "--data-path",
+                "/nonexistent/corpus_text_document",
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                "99",
+                *TINY,
+                *("--train-iters", "2", "--lr", "1e-3"),
+            ],
+            r"data prefix '/nonexistent/corpus_text_document': .*does not exist",
+        ),
+        (["CORRUPT"], r"is not a Megatron index"),
+    ],
+    ids=["schedule", "global-batch", "heads", "missing-data", "corrupt-idx"],
+)
+def test_bad_input_is_one_error_line_before_training(argv, message, shared_tmp, cache, rank, capsys):
+    if argv == ["CORRUPT"]:
+        data = embedded.prepare("gpt", cache)
+        prefix = os.path.join(shared_tmp, "corrupt_text_document")
+        if rank == 0:
+            shutil.copy(data.prefix + ".bin", prefix + ".bin")
+            with open(data.prefix + ".idx", "rb") as f:
+                raw = bytearray(f.read())
+            raw[:7] = b"GARBAGE"
+            with open(prefix + ".idx", "wb") as f:
+                f.write(raw)
+        dist.barrier()
+        argv = ["--data-path", prefix, "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", data.vocab_file,
+                "--merge-file", data.merge_file, "--seq-length", "32", "--num-layers", "2", "--hidden-size", "64",
+                "--num-attention-heads", "4", "--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain("gpt", [*argv, "--data-cache-path", cache])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2
+    if rank == 0:
+        assert len(err) == 1 and err[0].startswith("pretrain_gpt.py: error: ") and re.search(message, err[0]), err
+    else:
+        assert err == []
+
+
+def test_a_diverging_run_stops_with_a_clear_message(cache, rank, capsys):
+    argv = [*TINY, "--train-iters", "20", "--eval-iters", "0", "--init-method-std", "1e30", "--data-cache-path", cache]
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain("gpt", [*argv, "--max-consecutive-nan-iterations", "3"])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    if rank == 0:
+        assert "error: stopping at iteration 3: 3 consecutive iterations had a NaN/inf loss" in err

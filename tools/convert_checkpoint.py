@@ -1,0 +1,156 @@
+"""Convert between megatron_slapo checkpoints (TP-sharded, Megatron layout) and HF model directories.
+
+To HF (one process; reassembles the shards and drops the vocabulary padding)::
+
+    python tools/convert_checkpoint.py to-hf --load checkpoints/gpt --save-hf hf-gpt [--iteration N]
+
+From HF (one process per tensor-parallel rank; an iteration-0 checkpoint for ``--load``)::
+
+    torchrun --nproc_per_node 2 tools/convert_checkpoint.py from-hf --load-hf hf-gpt \\
+        --save checkpoints/gpt-tp2 --schedule gpt_tp --tensor-model-parallel-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+import torch
+import transformers
+
+from megatron_slapo.errors import CheckpointError, ConfigError
+from megatron_slapo.parallel.layout import unshard
+from megatron_slapo.training import checkpointing
+
+
+def read_shards(load_dir: str, iteration: int | None) -> tuple[int, list[dict]]:
+    """Every TP rank's state of one iteration (pipeline parallelism is not supported here)."""
+    if iteration is None:
+        iteration = checkpointing.latest_iteration(load_dir)
+        if iteration is None:
+            raise CheckpointError(f"{load_dir} has no {checkpointing.LATEST}")
+    root = checkpointing.iteration_dir(load_dir, iteration)
+    if not os.path.isdir(root):
+        raise CheckpointError(f"{root} does not exist")
+    ranks = sorted(d for d in os.listdir(root) if re.fullmatch(r"mp_rank_\d\d", d))
+    if not ranks:
+        raise CheckpointError(
+            f"{root} holds no mp_rank_XX directories (pipeline-parallel checkpoints are not supported)"
+        )
+    states = [checkpointing.read(os.path.join(root, r, checkpointing.FILENAME)) for r in ranks]
+    expected = states[0]["slapo"]["tensor_parallel_size"]
+    if len(states) != expected:
+        raise CheckpointError(f"{root} has {len(states)} TP ranks, its metadata says {expected}")
+    return iteration, states
+
+
+def full_state_dict(states: list[dict]) -> dict[str, torch.Tensor]:
+    """Reassemble sharded tensors and drop the vocabulary padding rows."""
+    meta = states[0]["slapo"]
+    out = {}
+    for name, tensor in states[0]["model"].items():
+        if name in meta["shards"]:
+            dim, stride = meta["shards"][name]
+            tensor = unshard([s["model"][name] for s in states], dim, stride)
+        if name in meta["vocab"]["params"]:
+            tensor = tensor[: meta["vocab"]["true"]]
+        out[name] = tensor.contiguous()
+    return out
+
+
+def to_hf(args: argparse.Namespace) -> None:
+    iteration, states = read_shards(args.load, args.iteration)
+    meta = states[0]["slapo"]
+    config_dict = json.loads(meta["hf_config"])
+    config = transformers.AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    config.vocab_size = meta["vocab"]["true"]
+    with torch.device("meta"):
+        model = getattr(transformers, meta["model_class"])(config)
+    model.load_state_dict(full_state_dict(states), assign=True)
+    model.tie_weights()
+    model.save_pretrained(args.save_hf, safe_serialization=True)
+    saved_args = json.loads(states[0]["args"])
+    tokenizer_note = ""
+    try:
+        from megatron_slapo.data.tokenizers import Tokenizer, build_tokenizer
+
+        tok = build_tokenizer(saved_args["tokenizer_type"], saved_args.get("vocab_file"), saved_args.get("merge_file"),
+                              saved_args.get("tokenizer_model"), saved_args.get("vocab_size"))  # fmt: skip
+        if isinstance(tok, Tokenizer):
+            tok.hf.save_pretrained(args.save_hf)
+            tokenizer_note = " and its tokenizer"
+    except (ValueError, FileNotFoundError, TypeError, KeyError):
+        tokenizer_note = " (tokenizer files not found: copy them yourself)"
+    print(
+        f"wrote {type(model).__name__} (iteration {iteration}, TP {len(states)} -> 1){tokenizer_note} to {args.save_hf}"
+    )
+
+
+def from_hf(args: argparse.Namespace) -> None:
+    import megatron_slapo as ms
+    from megatron_slapo import parallel
+    from megatron_slapo.training.model import check_divisible, padded_vocab_size, vocab_parameter_names
+    from schedules import get_schedule
+
+    tp = args.tensor_model_parallel_size
+    parallel.initialize(tensor_parallel=tp)
+    config = transformers.AutoConfig.from_pretrained(args.load_hf)
+    task = "bert" if config.model_type in ("bert", "roberta", "albert") else "gpt"
+    auto = transformers.AutoModelForCausalLM if task == "gpt" else transformers.AutoModelForPreTraining
+    model = auto.from_pretrained(args.load_hf)
+    true_vocab = model.get_input_embeddings().num_embeddings
+    padded = padded_vocab_size(true_vocab, args.make_vocab_size_divisible_by, tp)
+    if padded != true_vocab:
+        model.resize_token_embeddings(padded, mean_resizing=False)
+    check_divisible(model.config, tp)
+    vocab_params = vocab_parameter_names(model)
+    sch = ms.create_schedule(model)
+    get_schedule(args.schedule).apply(sch, model.config, args)
+    ms.build(sch)
+    run_args = argparse.Namespace(
+        task=task, save=args.save, no_save_optim=True, tensor_model_parallel_size=tp,
+        true_vocab_size=true_vocab, padded_vocab_size=padded, schedule=args.schedule, load_hf=args.load_hf,
+    )  # fmt: skip
+    os.makedirs(args.save, exist_ok=True)
+    engine = _WeightsOnly(model)
+    metadata = checkpointing.export_metadata(model, run_args, model.config, vocab_params)
+    path = checkpointing.save(engine, run_args, checkpointing.Layout.current(), checkpointing.Resume(), metadata)
+    if torch.distributed.get_rank() == 0:
+        print(f"wrote {path} (TP {tp}); train from it with --load {args.save} --finetune (or --no-load-optim)")
+
+
+class _WeightsOnly:
+    """The part of the engine interface that saving a weights-only checkpoint needs."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self, include_optimizer: bool = True) -> dict:
+        return {"model": self.model.state_dict()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("to-hf", help="checkpoint -> HF directory (safetensors)")
+    a.add_argument("--load", required=True)
+    a.add_argument("--iteration", type=int, help="default: the latest")
+    a.add_argument("--save-hf", required=True)
+    b = sub.add_parser("from-hf", help="HF directory -> checkpoint (run under torchrun with TP processes)")
+    b.add_argument("--load-hf", required=True)
+    b.add_argument("--save", required=True)
+    b.add_argument("--schedule", required=True)
+    b.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    b.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    args = p.parse_args(argv)
+    try:
+        to_hf(args) if args.direction == "to-hf" else from_hf(args)
+    except (CheckpointError, ConfigError, FileNotFoundError) as e:
+        sys.exit(f"convert_checkpoint.py: error: {e}")
+
+
+if __name__ == "__main__":
+    main()
