@@ -142,6 +142,11 @@ def build_bert_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
     for name in ("cls", "sep", "mask", "pad"):
         if getattr(tokenizer, name, None) is None:
             raise DataError(f"BERT needs a tokenizer with a [{name.upper()}] token; use BertWordPiece*")
+    if tokenizer.pad != 0:
+        # megatron-core's BERT dataset writes the pad id into the padding mask: only id 0 masks padding.
+        raise DataError(
+            f"BERT data needs the [PAD] token at id 0 (Megatron's convention); this vocabulary has {tokenizer.pad}"
+        )
     prefixes, weights = parse_data_path(args.data_path)
     split = check_splits(prefixes, args.split, sizes)
     config = BERTMaskedWordPieceDatasetConfig(

@@ -19,6 +19,8 @@ import os
 from collections import OrderedDict
 from typing import Any
 
+from megatron_slapo.errors import ConfigError
+
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
     "BertWordPieceLowerCase",
@@ -34,7 +36,9 @@ class Tokenizer:
     def __init__(self, hf: Any, kind: str, source: str) -> None:
         self.hf, self.kind, self.source = hf, kind, source
         self.vocab = hf.get_vocab()
-        self.inv_vocab = {i: t for t, i in self.vocab.items()}
+        # Ordered by id: HF's get_vocab() order varies between processes, and megatron-core's BERT
+        # dataset draws random replacement tokens by position in this dict.
+        self.inv_vocab = {i: t for t, i in sorted(self.vocab.items(), key=lambda item: item[1])}
 
     @property
     def vocab_size(self) -> int:
@@ -99,7 +103,7 @@ class NullTokenizer:
 
 def _require(path: str | None, flag: str, kind: str) -> str:
     if not path:
-        raise ValueError(f"--tokenizer-type {kind} needs {flag}")
+        raise ConfigError(f"--tokenizer-type {kind} needs {flag}")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{flag} {path} does not exist")
     return path
@@ -143,6 +147,6 @@ def build_tokenizer(
         return Tokenizer(transformers.AutoTokenizer.from_pretrained(model), tokenizer_type, model)
     if tokenizer_type == "NullTokenizer":
         if not vocab_size:
-            raise ValueError("--tokenizer-type NullTokenizer needs --vocab-size")
+            raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
-    raise ValueError(f"unknown --tokenizer-type {tokenizer_type!r}; expected one of {', '.join(TOKENIZER_TYPES)}")
+    raise ConfigError(f"unknown --tokenizer-type {tokenizer_type!r}; expected one of {', '.join(TOKENIZER_TYPES)}")

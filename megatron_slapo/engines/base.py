@@ -8,6 +8,7 @@ stays behind this interface, so the trainer is the same for every engine.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -28,7 +29,18 @@ class StepResult:
     grad_norm: float | None  # before clipping; None when the step was skipped
     loss_scale: float
     skipped: bool  # the optimizer step was skipped (non-finite gradients)
+    overflow: bool  # ... because the fp16 loss scale overflowed: routine, not divergence
     learning_rate: float
+    params_norm: float | None = None  # with --log-params-norm
+
+    @property
+    def loss_finite(self) -> bool:
+        return all(math.isfinite(v) for v in self.metrics.values())
+
+    @property
+    def diverging(self) -> bool:
+        """A non-finite loss, or non-finite gradients that loss scaling does not explain."""
+        return not self.loss_finite or (self.skipped and not self.overflow)
 
 
 class Engine(Protocol):

@@ -2,13 +2,14 @@
 
 The scheduled model already carries its tensor parallelism; DDP averages gradients across the
 data-parallel replicas. Mixed precision is autocast (fp32 master weights, like Megatron's
-``--bf16``/``--fp16``), with a dynamic loss scale for fp16.
+``--bf16``/``--fp16``), with Megatron's dynamic loss scale for fp16 (:mod:`..training.loss_scaler`).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -18,7 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from megatron_slapo.engines.base import Batch, LossFn, StepResult
 from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parallel_grads, group_size
-from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, clip_grads, grad_norm
+from megatron_slapo.training.loss_scaler import LossScaler
+from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, clip_grads, global_norm
 
 
 class DDPEngine:
@@ -35,12 +37,7 @@ class DDPEngine:
         self.scaler = None
         if args.fp16:
             static = args.loss_scale is not None
-            self.scaler = torch.amp.GradScaler(
-                self.device.type,
-                init_scale=args.loss_scale if static else args.initial_loss_scale,
-                backoff_factor=1.0 if static else 0.5,
-                growth_interval=2**62 if static else 1000,
-            )
+            self.scaler = LossScaler(args.loss_scale if static else args.initial_loss_scale, static=static)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
@@ -62,37 +59,38 @@ class DDPEngine:
         self.wrapped.train()
         totals: dict[str, torch.Tensor] = {}
         n = len(microbatches)
+        scale = self.scaler.scale if self.scaler else 1.0
         for i, batch in enumerate(microbatches):
             last = i == n - 1
             sync = contextlib.nullcontext() if last or self.wrapped is self.model else self.wrapped.no_sync()
             with sync:
                 with self._autocast():
                     loss, metrics = loss_fn(self.wrapped, self._to_device(batch))
-                scaled = loss / n
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+                (loss * (scale / n)).backward()
             for k, v in metrics.items():
                 totals[k] = totals.get(k, 0) + v.detach()
         allreduce_sequence_parallel_grads(self.model, self.tp_group)
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        norm = grad_norm(self.params, self.tp_group)
-        finite = norm == norm and norm != float("inf")
+        if scale != 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(scale)
+        norm = global_norm(self.params, self.tp_group)  # the same on every rank of the model
+        finite = math.isfinite(norm)
         if finite:
             clip_grads(self.params, self.args.clip_grad, norm)
-        if self.scaler:
-            self.scaler.step(self.optimizer)  # skips the step itself when it found inf/nan
-            self.scaler.update()
-        elif finite:
             self.optimizer.step()
-        if finite:
             self.scheduler.step(increment=self.args.global_batch_size)
+        if self.scaler:
+            self.scaler.update(found_inf=not finite)
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(
             metrics=self._average(totals, n),
             grad_norm=norm if finite else None,
-            loss_scale=self.scaler.get_scale() if self.scaler else 1.0,
+            loss_scale=scale,
             skipped=not finite,
+            overflow=not finite and self.scaler is not None,
             learning_rate=self.optimizer.param_groups[0]["lr"],
+            params_norm=global_norm(self.params, self.tp_group, of_grads=False) if self.args.log_params_norm else None,
         )
 
     @torch.no_grad()

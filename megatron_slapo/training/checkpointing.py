@@ -70,8 +70,8 @@ class Resume:
     consumed_valid_samples: int = 0
 
 
-def iteration_dir(base: str, iteration: int) -> str:
-    return os.path.join(base, f"iter_{iteration:07d}")
+def iteration_dir(base: str, iteration: int | str) -> str:
+    return os.path.join(base, "release" if iteration == "release" else f"iter_{iteration:07d}")
 
 
 def _rng_state() -> dict[str, Any]:
@@ -145,27 +145,33 @@ def save(
         os.replace(path + ".partial", path)
     _barrier()
     if dist.get_rank() == 0:
-        if os.path.isdir(final):
-            shutil.rmtree(final)
+        old = final + ".old"
+        if os.path.isdir(final):  # re-saving an iteration: keep the old copy until the new one is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
         latest = os.path.join(args.save, LATEST)
         with open(latest + ".tmp", "w") as f:
             f.write(str(resume.iteration))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(latest + ".tmp", latest)
+        shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 
 
-def latest_iteration(load_dir: str) -> int | None:
-    """The iteration named by ``latest_checkpointed_iteration.txt``; None if there is no checkpoint yet."""
-    if not os.path.isdir(load_dir):
-        raise CheckpointError(f"--load {load_dir}: no such directory")
+def latest_iteration(load_dir: str) -> int | str | None:
+    """The iteration named by ``latest_checkpointed_iteration.txt`` (or Megatron's ``"release"``);
+    None if there is no checkpoint yet (Megatron then starts from scratch)."""
     path = os.path.join(load_dir, LATEST)
     if not os.path.exists(path):
         return None
     text = open(path).read().strip()
+    if text == "release":
+        return text
     if not text.isdigit():
-        raise CheckpointError(f"{path} should hold an iteration number, found {text[:40]!r}")
+        raise CheckpointError(f"{path} should hold an iteration number or 'release', found {text[:40]!r}")
     return int(text)
 
 
@@ -202,12 +208,16 @@ def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str) ->
     saved_tp = state.get("slapo", {}).get("tensor_parallel_size")
     if saved_tp not in (None, layout.tp_size):
         raise CheckpointError(f"{path} was saved with tensor-parallel size {saved_tp}, this run uses {layout.tp_size}")
+    load_optimizer = not (args.finetune or args.no_load_optim)
+    if load_optimizer and "optimizer" not in state and state.get("iteration", 0) > 0 and dist.get_rank() == 0:
+        print(f" > WARNING: {path} has no optimizer state (saved with --no-save-optim): the optimizer and the LR "
+              "schedule start afresh", flush=True)  # fmt: skip
     try:
-        engine.load_state_dict(state, load_optimizer=not (args.finetune or args.no_load_optim))
+        engine.load_state_dict(state, load_optimizer=load_optimizer)
     except RuntimeError as e:  # shape or key mismatch
         raise CheckpointError(f"{path} does not fit this model: {str(e)[:300]}") from e
-    if args.finetune:
-        return Resume()
+    if args.finetune or state.get("iteration", 0) == 0:
+        return Resume()  # a release or from-hf checkpoint: weights only, training starts at 0
     if not args.no_load_rng:
         states = state["rng_state"]
         if layout.dp_rank >= len(states):

@@ -16,9 +16,12 @@ PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4":
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
-    """(all parameters, embedding parameters) of the unsharded model (ties counted once)."""
+    """(all parameters, embedding and LM-head parameters) of the unsharded model (ties counted once)."""
     params = {id(p): p for p in model.parameters()}
     embeddings = {id(m.weight): m.weight for m in model.modules() if isinstance(m, nn.Embedding)}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        embeddings[id(head.weight)] = head.weight  # counted in the 6 h V term instead
     return sum(p.numel() for p in params.values()), sum(p.numel() for p in embeddings.values())
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import os
 import sys
 from collections.abc import Iterator
@@ -68,7 +67,7 @@ def user_errors(prog: str) -> Iterator[None]:
     try:
         yield
     except (ConfigError, SchedulingError, FileNotFoundError) as e:
-        rank = dist.get_rank() if dist.is_initialized() else 0
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
         if rank == 0 or isinstance(e, CheckpointError):
             print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
@@ -112,8 +111,6 @@ def setup(args: argparse.Namespace) -> Run:
     validate_args(args, world)
     schedule = get_schedule(args.schedule)
     parallel.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=args.seed)
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-
     layout = Layout.current()
     if args.embedded_data:
         _use_embedded_data(args)
@@ -128,10 +125,10 @@ def setup(args: argparse.Namespace) -> Run:
         f"dummy tokens (new size: {args.padded_vocab_size})"
     )
     tp_group = parallel.tensor_parallel_group()
-    task_cls = GPTTask if args.task == "gpt" else BERTTask
-    task = task_cls(args.padded_vocab_size, tp_group)
-    if args.task == "bert":
-        task.binary_head = args.bert_binary_head and args.model_type != "roberta"
+    if args.task == "gpt":
+        task: GPTTask | BERTTask = GPTTask(args.padded_vocab_size, tp_group)
+    else:
+        task = BERTTask(args.padded_vocab_size, tp_group, args.bert_binary_head)
     datasets = task.build_datasets(args, tokenizer, _split_sizes(args))
     resume_path = checkpointing.checkpoint_file(args.load, layout) if args.load else None
 
@@ -142,25 +139,28 @@ def setup(args: argparse.Namespace) -> Run:
     sch = ms.create_schedule(model)
     schedule.apply(sch, config, args)
     _apply_recompute(sch, args, config.num_hidden_layers)
-    if layout.tp_size > 1 and not any(node.metadata.shards for _, node in sch.named_schedules()):
+    shards = any(node.metadata.shards for _, node in sch.named_schedules())
+    if layout.tp_size > 1 and not shards:
         raise ConfigError(
             f"--schedule {args.schedule} shards nothing, but --tensor-model-parallel-size is {layout.tp_size}; "
             "use a tensor-parallel schedule (see --schedule list)"
         )
+    if layout.tp_size == 1 and shards and world > 1:
+        print_rank_0(f" > note: --schedule {args.schedule} shards over --tensor-model-parallel-size 1, i.e. not at all; "
+                     f"the {world} ranks are data-parallel")  # fmt: skip
     model = ms.build(sch, seed=args.seed)
     local = sum(p.numel() for p in model.parameters())
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {local}")
 
-    init_num_microbatches_calculator(
-        dist.get_rank(), None, args.global_batch_size, args.micro_batch_size, args.data_parallel_size
-    )
     engine = ENGINES[args.engine](model, args, layout.dp_group, tp_group)
     resume = Resume()
     if resume_path:
         resume = checkpointing.load(engine, args, layout, resume_path)
         print_rank_0(f" > loaded checkpoint {resume_path} at iteration {resume.iteration}")
     elif args.load:
-        print_rank_0(f" > no checkpoint in {args.load} yet: starting from iteration 0")
+        print_rank_0(
+            f" > WARNING: no checkpoint in {args.load} yet ({checkpointing.LATEST} not found): starting from scratch"
+        )
     metadata = checkpointing.export_metadata(model, args, config, metadata_vocab)
     reporter = Reporter(args, flops * tokens_per_iteration, tokens_per_iteration, device_peak_tflops(args.peak_tflops))
     return Run(args, task, engine, layout, resume, datasets, reporter, metadata)
@@ -182,13 +182,16 @@ def evaluate(run: Run, batches: Iterator, iterations: int, num_microbatches: int
 
 def train(run: Run) -> Resume:
     """Train from ``run.resume`` to ``--train-iters`` (or ``--exit-interval``); return where it stopped."""
-    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.num_microbatches_calculator import get_num_microbatches, init_num_microbatches_calculator
     from megatron.core.timers import Timers
 
     args, layout, state = run.args, run.layout, run.resume
+    init_num_microbatches_calculator(
+        dist.get_rank(), None, args.global_batch_size, args.micro_batch_size, args.data_parallel_size
+    )
     n_micro = get_num_microbatches()
     dp_rank, dp_size = layout.dp_rank, args.data_parallel_size
-    train_set, valid_set, test_set = run.datasets
+    train_set, valid_set, _ = run.datasets  # no test pass: see _split_sizes
     loader = data_loader(
         train_set, state.consumed_train_samples, args.micro_batch_size, dp_rank, dp_size, args.num_workers
     )
@@ -205,15 +208,16 @@ def train(run: Run) -> Resume:
     )
     timers = Timers(log_level=0, log_option="minmax")
     while state.iteration < args.train_iters:
-        timers("iteration-time", log_level=0).start()
+        timers("train-step", log_level=0).start()
         result = run.engine.train_step([next(train_batches) for _ in range(n_micro)], run.task.loss)
-        timers("iteration-time").stop()
+        timers("train-step").stop()
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
-        seconds = timers("iteration-time").elapsed()
+        seconds = timers("train-step").elapsed(reset=not args.log_timers_to_tensorboard)
         run.reporter.step(state.iteration, state.consumed_train_samples, result, seconds)
-        finite = all(math.isfinite(v) for v in result.metrics.values())
-        nan_streak = 0 if finite and not result.skipped else nan_streak + 1
+        if args.log_timers_to_tensorboard:  # a collective (max over ranks): every rank calls it
+            timers.write(["train-step"], run.reporter.writer, state.iteration)
+        nan_streak = nan_streak + 1 if result.diverging else 0
         if nan_streak >= args.max_consecutive_nan_iterations:
             raise TrainingStopped(
                 f"stopping at iteration {state.iteration}: {nan_streak} consecutive iterations had a NaN/inf loss "
@@ -234,7 +238,7 @@ def train(run: Run) -> Resume:
         print_rank_0(f"> saved checkpoint {path}")
     if valid_batches and state.iteration >= args.train_iters:
         metrics = evaluate(run, valid_batches, args.eval_iters, n_micro)
-        run.reporter.validation(state.iteration, state.consumed_train_samples, metrics, "validation (end of training)")
+        run.reporter.validation(state.iteration, state.consumed_train_samples, metrics, at_end=True)
     return state
 
 
@@ -247,6 +251,8 @@ def pretrain(task: str, argv: list[str] | None = None) -> Resume | None:
         return None
     with user_errors(prog):
         run = setup(args)
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
     try:
         return train(run)
     except TrainingStopped as e:
@@ -255,6 +261,4 @@ def pretrain(task: str, argv: list[str] | None = None) -> Resume | None:
         sys.exit(1)
     finally:
         run.reporter.close()
-        from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
-
         destroy_num_microbatches_calculator()

@@ -18,16 +18,11 @@ from torch import nn
 
 from megatron_slapo.errors import ConfigError
 
-# family -> (config class, model class for its task)
-FAMILIES: dict[str, tuple[str, str]] = {
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel"),
-    "gpt_neo": ("GPTNeoConfig", "GPTNeoForCausalLM"),
-    "opt": ("OPTConfig", "OPTForCausalLM"),
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "bert": ("BertConfig", "BertForPreTraining"),
-    "roberta": ("RobertaConfig", "RobertaForMaskedLM"),
-    "albert": ("AlbertConfig", "AlbertForPreTraining"),
-}
+# --model-type -> HF config class (the model class follows from the task, see auto_class)
+CONFIGS = {
+    "gpt2": "GPT2Config", "gpt_neo": "GPTNeoConfig", "opt": "OPTConfig", "llama": "LlamaConfig",
+    "bert": "BertConfig", "roberta": "RobertaConfig", "albert": "AlbertConfig",
+}  # fmt: skip
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
@@ -45,7 +40,7 @@ def _from_flags(args: argparse.Namespace, vocab: int, tokenizer: Any) -> transfo
     hd, ad, std = args.hidden_dropout, args.attention_dropout, args.init_method_std
     eod = getattr(tokenizer, "eod", None)
     kind = args.model_type
-    cls = getattr(transformers, FAMILIES[kind][0])
+    cls = getattr(transformers, CONFIGS[kind])
     if kind == "gpt2":
         return cls(vocab_size=vocab, n_positions=s, n_embd=h, n_layer=L, n_head=a, n_inner=ffn, resid_pdrop=hd,
                    embd_pdrop=hd, attn_pdrop=ad, initializer_range=std, bos_token_id=eod, eos_token_id=eod)  # fmt: skip
@@ -83,6 +78,7 @@ def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.Pretr
             config = transformers.AutoConfig.from_pretrained(source)
         except OSError as e:
             raise ConfigError(f"cannot read an HF config from {source!r}: {e}") from e
+        args.true_vocab_size = max(config.vocab_size, tokenizer.vocab_size)  # export keeps the model's rows
         config.vocab_size = max(config.vocab_size, args.padded_vocab_size)
         if config.vocab_size % tp:
             config.vocab_size = padded_vocab_size(config.vocab_size, args.make_vocab_size_divisible_by, tp)
@@ -110,23 +106,23 @@ def check_divisible(config: transformers.PretrainedConfig, tp: int) -> None:
             raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the {size} {what}")
 
 
-def model_class(args: argparse.Namespace, config: transformers.PretrainedConfig) -> type[nn.Module]:
-    if args.hf_config or args.load_hf:
-        auto = transformers.AutoModelForCausalLM if args.task == "gpt" else transformers.AutoModelForPreTraining
-        return auto._model_mapping[type(config)]
-    return getattr(transformers, FAMILIES[args.model_type][1])
+def auto_class(args: argparse.Namespace) -> type:
+    """The HF auto class to build: causal LM; BERT pretraining heads, or masked LM without a binary head."""
+    if args.task == "gpt":
+        return transformers.AutoModelForCausalLM
+    return transformers.AutoModelForPreTraining if args.bert_binary_head else transformers.AutoModelForMaskedLM
 
 
 def create_model(args: argparse.Namespace, config: transformers.PretrainedConfig) -> nn.Module:
     """On the meta device, or with ``--load-hf`` the pretrained weights (vocabulary padded)."""
-    cls = model_class(args, config)
+    auto = auto_class(args)
     if args.load_hf:
-        model = cls.from_pretrained(args.load_hf)
+        model = auto.from_pretrained(args.load_hf)
         if model.get_input_embeddings().num_embeddings != config.vocab_size:
             model.resize_token_embeddings(config.vocab_size, mean_resizing=False)
         return model
     with torch.device("meta"):
-        return cls(config)
+        return auto.from_config(config)
 
 
 def transformer_layers(model: nn.Module, num_layers: int) -> list[str]:

@@ -22,11 +22,10 @@ def param_groups(model: nn.Module) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.AdamW:
-    """AdamW; the fused kernel where the parameters live on CUDA."""
-    on_cuda = next(model.parameters()).is_cuda
+    """AdamW with torch's fused kernel (CUDA and CPU have one)."""
     return torch.optim.AdamW(
         param_groups(model), lr=args.lr, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-        weight_decay=args.weight_decay, fused=on_cuda or None,
+        weight_decay=args.weight_decay, fused=True,
     )  # fmt: skip
 
 
@@ -35,29 +34,27 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     gbs = args.global_batch_size
-    warmup_iters = args.lr_warmup_iters
-    if args.lr_warmup_fraction is not None:
-        warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
     )  # fmt: skip
 
 
-def grad_norm(params: list[nn.Parameter], tp_group: Group) -> float:
-    """The L2 norm of the whole model's gradient under tensor parallelism.
+def global_norm(params: list[nn.Parameter], tp_group: Group, of_grads: bool = True) -> float:
+    """The L2 norm of the whole model's gradients (or weights) under tensor parallelism.
 
     A sharded parameter contributes its shard on every TP rank; a replicated one is counted once
     (on TP rank 0), as in Megatron's ``param_is_not_tensor_parallel_duplicate``.
     """
     first = group_rank(tp_group) == 0
-    grads = [p.grad for p in params if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or first)]
     device = params[0].device if params else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        total += g.detach().float().pow(2).sum()
+    for p in params:
+        t = p.grad if of_grads else p
+        if t is not None and (getattr(p, "tensor_model_parallel", False) or first):
+            total += t.detach().float().pow(2).sum()
     if group_size(tp_group) > 1:
         dist.all_reduce(total, group=tp_group)
     return math.sqrt(total.item())

@@ -59,7 +59,7 @@ class Reporter:
 
     def _reset(self) -> None:
         self.sums: dict[str, float] = {}
-        self.steps = self.skipped = self.nans = 0
+        self.steps = self.counted = self.skipped = self.nans = 0
         self.seconds = 0.0
 
     def print(self, line: str) -> None:
@@ -74,12 +74,12 @@ class Reporter:
 
     def step(self, iteration: int, consumed: int, result: StepResult, seconds: float) -> None:
         """Record one iteration; print the line at every ``--log-interval``."""
-        finite = all(math.isfinite(v) for v in result.metrics.values())
         self.steps += 1
         self.seconds += seconds
         self.skipped += int(result.skipped)
-        self.nans += int(not finite)
-        if finite and not result.skipped:
+        self.nans += int(not result.loss_finite)
+        if result.loss_finite and not result.skipped:  # Megatron averages the losses of the steps taken
+            self.counted += 1
             for k, v in result.metrics.items():
                 self.sums[k] = self.sums.get(k, 0.0) + v
         if self.writer and iteration % self.args.tensorboard_log_interval == 0:
@@ -99,10 +99,16 @@ class Reporter:
             scalars["mfu(%)"] = mfu
         if result.grad_norm is not None:
             scalars["grad-norm"] = result.grad_norm
-        if self.args.log_memory_to_tensorboard:
-            scalars.update(memory_stats())
+        if result.params_norm is not None:
+            scalars["params-norm"] = result.params_norm
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, iteration)
+        for tag in ("learning-rate", "batch-size", "loss-scale", "grad-norm", "params-norm"):
+            if tag in scalars:
+                self.writer.add_scalar(f"{tag} vs samples", scalars[tag], consumed)
+        if self.args.log_memory_to_tensorboard:
+            for tag, value in memory_stats().items():
+                self.writer.add_scalar(tag, value, iteration)
         for name, value in result.metrics.items():
             self.writer.add_scalar(name, value, iteration)
             self.writer.add_scalar(f"{name} vs samples", value, consumed)
@@ -110,7 +116,7 @@ class Reporter:
     def _line(self, iteration: int, consumed: int, result: StepResult) -> None:
         per_iteration = self.seconds / max(self.steps, 1)
         tflops, tps, mfu = self._rates(per_iteration)
-        counted = max(self.steps - self.skipped - self.nans, 1)
+        counted = max(self.counted, 1)
         fields = [
             f"[{_now()}] iteration {iteration:8d}/{self.args.train_iters:8d}",
             f"consumed samples: {consumed:12d}",
@@ -125,6 +131,8 @@ class Reporter:
         ]
         if result.grad_norm is not None:
             fields.append(f"grad norm: {result.grad_norm:.3f}")
+        if result.params_norm is not None:
+            fields.append(f"params norm: {result.params_norm:.3f}")
         fields += [
             f"number of skipped iterations: {self.skipped:3d}",
             f"number of nan iterations: {self.nans:3d}",
@@ -133,17 +141,19 @@ class Reporter:
         ]
         self.print(" | ".join(fields) + " |")
 
-    def validation(self, iteration: int, consumed: int, metrics: dict[str, float], label: str = "validation") -> None:
+    def validation(self, iteration: int, consumed: int, metrics: dict[str, float], at_end: bool = False) -> None:
         parts = []
         for name, value in sorted(metrics.items()):
             ppl = math.exp(min(20.0, value))
             parts.append(f"{name} value: {value:.6E} | {name} PPL: {ppl:.6E}")
             if self.writer:
-                self.writer.add_scalar(f"{name} {label}", value, iteration)
-                self.writer.add_scalar(f"{name} {label} vs samples", value, consumed)
+                self.writer.add_scalar(f"{name} validation", value, iteration)
+                self.writer.add_scalar(f"{name} validation vs samples", value, consumed)
                 if self.args.log_validation_ppl_to_tensorboard:
-                    self.writer.add_scalar(f"{name} {label} ppl", ppl, iteration)
-        text = f" {label} loss at iteration {iteration} | " + " | ".join(parts) + " |"
+                    self.writer.add_scalar(f"{name} validation ppl", ppl, iteration)
+                    self.writer.add_scalar(f"{name} validation ppl vs samples", ppl, consumed)
+        where = "at the end of training" if at_end else f"at iteration {iteration}"
+        text = f" validation loss {where} | " + " | ".join(parts) + " |"
         self.print("-" * len(text) + "\n" + text + "\n" + "-" * len(text))
 
     def close(self) -> None:

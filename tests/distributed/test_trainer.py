@@ -53,25 +53,38 @@ def test_embedded_default_run_prints_the_log_line_and_writes_tensorboard(shared_
     line += r"grad norm: [\d.]+ \| number of skipped iterations:   0 \| number of nan iterations:   0 \|"
     found = last_rank_value(lambda: bool(re.search(line, out)))
     tags = last_rank_value(lambda: tb_tags(tb))
+    losses = last_rank_value(lambda: tb_scalars(tb, "lm loss"))
     assert found, "Megatron log line missing"
+    assert losses[6] < losses[1] - 0.5, losses
     for tag in ("lm loss", "throughput(tps)", "lm loss validation", "learning-rate", "grad-norm", "iteration-time"):
         assert tag in tags, tag
 
 
-def test_resume_continues_with_the_same_losses(shared_tmp, cache):
-    run = [*TP2, *TINY, "--train-iters", "8", "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1",
+RESUME_CASES = {
+    "gpt-tp2-fp32": ("gpt", [*TP2]),
+    "bert-dp2-fp16": ("bert", ["--initial-loss-scale", "4096", "--fp16"]),  # scaler state, per-DP-rank RNG
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESUME_CASES))
+def test_resume_continues_with_the_same_losses(shared_tmp, cache, case):
+    task, extra = RESUME_CASES[case]
+    run = [*extra, *TINY, "--train-iters", "8", "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1",
            "--data-cache-path", cache]  # fmt: skip
-    tb, ck = os.path.join(shared_tmp, "tb-resume"), os.path.join(shared_tmp, "ck-resume")
-    pretrain("gpt", [*run, "--tensorboard-dir", f"{tb}/full"])
-    pretrain(
-        "gpt", [*run, "--tensorboard-dir", f"{tb}/a", "--save", ck, "--save-interval", "4", "--exit-interval", "4"]
-    )
+    tb, ck = os.path.join(shared_tmp, f"tb-resume-{case}"), os.path.join(shared_tmp, f"ck-resume-{case}")
+    pretrain(task, [*run, "--tensorboard-dir", f"{tb}/full"])
+    pretrain(task, [*run, "--tensorboard-dir", f"{tb}/a", "--save", ck, "--save-interval", "4", "--exit-interval", "4"])
     assert checkpointing.latest_iteration(ck) == 4
-    pretrain("gpt", [*run, "--tensorboard-dir", f"{tb}/b", "--save", ck, "--load", ck])
+    if dist.get_rank() == 0:  # a run killed while saving iteration 8 leaves a partial directory behind
+        os.makedirs(checkpointing.iteration_dir(ck, 8) + ".tmp/mp_rank_00")
+        open(checkpointing.iteration_dir(ck, 8) + ".tmp/mp_rank_00/model_optim_rng.pt.partial", "wb").write(b"\0" * 99)
+    dist.barrier()
+    pretrain(task, [*run, "--tensorboard-dir", f"{tb}/b", "--save", ck, "--load", ck])
     full = last_rank_value(lambda: tb_scalars(f"{tb}/full", "lm loss"))
     parts = last_rank_value(lambda: {**tb_scalars(f"{tb}/a", "lm loss"), **tb_scalars(f"{tb}/b", "lm loss")})
     assert sorted(parts) == sorted(full) == list(range(1, 9))
     assert max(abs(parts[i] - full[i]) for i in full) < 1e-6, (parts, full)
+    assert full[8] != full[4]  # the model did train in the second half
     assert checkpointing.latest_iteration(ck) == 8 and not os.path.exists(checkpointing.iteration_dir(ck, 8) + ".tmp")
 
 
@@ -244,3 +257,38 @@ def test_a_diverging_run_stops_with_a_clear_message(cache, rank, capsys):
     err = capsys.readouterr().err
     if rank == 0:
         assert "error: stopping at iteration 3: 3 consecutive iterations had a NaN/inf loss" in err
+
+
+@pytest.mark.parametrize(
+    "task, argv, tags",
+    [
+        (
+            "gpt",
+            [
+                "--mock-data",
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                "500",
+                "--bf16",
+                "--log-params-norm",
+                "--log-timers-to-tensorboard",
+                "--lr",
+                "1e-3",
+            ],
+            ["params-norm", "train-step-time"],
+        ),
+        ("gpt", [*TP2, "--recompute-granularity", "full", "--log-memory-to-tensorboard"], ["mem-max-rss-bytes"]),
+        ("bert", ["--model-type", "roberta", "--schedule", "bert_tp", "--tensor-model-parallel-size", "2"], []),
+        ("bert", ["--model-type", "albert", "--fp16", "--bert-no-binary-head", "--initial-loss-scale", "1024"], []),
+    ],
+    ids=["mock-bf16-norms-timers", "recompute-memory", "roberta-tp2", "albert-fp16-mlm-only"],
+)
+def test_training_options_run(task, argv, tags, shared_tmp, cache):
+    tb = os.path.join(shared_tmp, "tb-options", "-".join(a.strip("-") for a in argv[:4]))
+    state = pretrain(task, [*TINY, *argv, "--train-iters", "3", "--eval-iters", "0", "--data-cache-path", cache,
+                            "--tensorboard-dir", tb])  # fmt: skip
+    assert state.iteration == 3
+    written = last_rank_value(lambda: tb_tags(tb))
+    for tag in ["lm loss", *tags]:
+        assert tag in written, (tag, written)

@@ -1,0 +1,30 @@
+"""The entry points as a user runs them: bad input is one error line, even under torchrun."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*cmd: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_one_error_line_under_torchrun_before_anything_starts():
+    proc = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "pretrain_gpt.py", "--schedule", "nope")  # fmt: skip
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "pretrain_gpt.py: error:" in line]
+    assert proc.returncode != 0
+    assert lines == ["pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_neo_tp, "
+                     "opt_tp, llama_tp, bert_tp"], proc.stderr[-2000:]  # fmt: skip
+
+
+def test_single_process_error_exit_code_and_no_traceback():
+    proc = run(sys.executable, "pretrain_bert.py", "--global-batch-size", "3", "--micro-batch-size", "2")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "pretrain_bert.py: error: global batch size (3) is not divisible by micro batch size (2) x data-parallel size (1)"
+    ]
