@@ -28,3 +28,10 @@ def test_single_process_error_exit_code_and_no_traceback():
     assert proc.stderr.strip().splitlines() == [
         "pretrain_bert.py: error: global batch size (3) is not divisible by micro batch size (2) x data-parallel size (1)"
     ]
+
+
+def test_library_example_trains():
+    proc = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "examples/train_gpt_tp.py", "--steps", "5")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tensor parallelism 2" in proc.stdout and "step    5 | lm loss" in proc.stdout

@@ -202,6 +202,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"global batch size ({args.global_batch_size}) is not divisible by micro batch size "
             f"({args.micro_batch_size}) x data-parallel size ({dp})"
         )
+    if not 0 <= args.min_lr <= args.lr:
+        raise ConfigError(f"--min-lr {args.min_lr} must lie between 0 and --lr {args.lr}")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are mutually exclusive")
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters:

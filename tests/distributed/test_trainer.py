@@ -86,6 +86,8 @@ def test_resume_continues_with_the_same_losses(shared_tmp, cache, case):
     assert max(abs(parts[i] - full[i]) for i in full) < 1e-6, (parts, full)
     assert full[8] != full[4]  # the model did train in the second half
     assert checkpointing.latest_iteration(ck) == 8 and not os.path.exists(checkpointing.iteration_dir(ck, 8) + ".tmp")
+    finetune = pretrain(task, [*run, "--load", ck, "--finetune", "--train-iters", "2", "--eval-iters", "0"])
+    assert finetune.iteration == 2 and finetune.consumed_train_samples == 16  # weights only: a fresh run
 
 
 def test_tensor_and_data_parallel_layouts_train_alike(shared_tmp, cache):
@@ -137,7 +139,8 @@ def preprocessed(shared_tmp):
 def test_train_gpt_and_bert_on_preprocessed_jsonl(preprocessed, shared_tmp):
     root, tb = preprocessed, os.path.join(shared_tmp, "tb-jsonl")
     common = [*TINY, "--lr", "1e-3", "--log-interval", "1", "--eval-iters", "0", "--split", "98,2,0"]
-    pretrain("gpt", [*common, *TP2, "--train-iters", "6", "--data-path", f"{root}/gpt_text_document",
+    blend = ["0.7", f"{root}/gpt_text_document", "0.3", f"{root}/gpt_text_document"]  # Megatron's weighted blend
+    pretrain("gpt", [*common, *TP2, "--train-iters", "6", "--data-path", *blend,
                      "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", f"{root}/vocab.json",
                      "--merge-file", f"{root}/merges.txt", "--tensorboard-dir", f"{tb}/gpt"])  # fmt: skip
     pretrain("bert", [*common, "--schedule", "bert_tp", "--tensor-model-parallel-size", "2", "--train-iters", "30",
@@ -195,7 +198,7 @@ def test_hf_to_tp2_checkpoint_and_back(shared_tmp, rank):
     dist.barrier()
     a = transformers.GPT2LMHeadModel.from_pretrained(original_dir).state_dict()
     b = transformers.GPT2LMHeadModel.from_pretrained(back).state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and max(max_diff(a[k], b[k]) for k in a) < 1e-20
     dist.barrier()
     if rank == 0:
         shutil.rmtree(ck)
@@ -292,3 +295,21 @@ def test_training_options_run(task, argv, tags, shared_tmp, cache):
     written = last_rank_value(lambda: tb_tags(tb))
     for tag in ["lm loss", *tags]:
         assert tag in written, (tag, written)
+
+
+def test_load_hf_starts_from_pretrained_weights(shared_tmp, cache, rank):
+    hf, ck, back = (os.path.join(shared_tmp, n) for n in ("hf-pretrained", "ck-load-hf", "hf-load-hf-back"))
+    if rank == 0:
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=4096, n_positions=32, n_embd=64, n_layer=2, n_head=4)
+        transformers.GPT2LMHeadModel(cfg).save_pretrained(hf)
+    dist.barrier()
+    # With lr 1e-30 one step moves weights by ~1e-30 (only zeros visibly): the checkpoint holds the pretrained model.
+    pretrain("gpt", [*TP2, "--load-hf", hf, "--seq-length", "32", "--micro-batch-size", "4", "--train-iters", "1",
+                     "--eval-iters", "0", "--lr", "1e-30", "--min-lr", "0", "--data-cache-path", cache, "--save", ck])  # fmt: skip
+    if rank == 0:
+        convert_checkpoint.main(["to-hf", "--load", ck, "--save-hf", back])
+    dist.barrier()
+    a = transformers.GPT2LMHeadModel.from_pretrained(hf).state_dict()
+    b = transformers.GPT2LMHeadModel.from_pretrained(back).state_dict()
+    assert a.keys() == b.keys() and max(max_diff(a[k], b[k]) for k in a) < 1e-20
