@@ -45,7 +45,9 @@ def build(
     ``init_weights``: ``True`` uses the HF model's ``_init_weights`` (or ``reset_parameters`` for
     plain modules), a callable ``fn(module)`` replaces it, ``False`` leaves new tensors unset (NaN)
     for a checkpoint to fill. ``seed`` defaults to ``torch.initial_seed()`` of global rank 0.
-    ``device`` defaults to the current CUDA device, else the CPU.
+    ``device`` defaults to the current CUDA device, else the CPU. When the schedule has
+    ``cut_pipeline_stage`` marks, the result is a :class:`~megatron_slapo.pipeline.PipelineStages`
+    (the stage modules, the tensors crossing each cut, the weights tied across stages).
     """
     validate(sch)
     seed = agreed_seed(seed)
@@ -60,6 +62,10 @@ def build(
     with materializer.protect_finished_tensors():
         for unit_path, modules in _units(sch.mod, ""):
             materializer.run_unit(unit_path, modules, _derive_seed(seed, unit_path))
+    if any(node.metadata.pipeline_cut for _, node in sch.named_schedules()):
+        from megatron_slapo.pipeline import partition
+
+        return partition(sch)
     return sch.mod
 
 

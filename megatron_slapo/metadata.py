@@ -30,3 +30,5 @@ class Metadata:
     annotations: dict[str, dict[str, Any]] = field(default_factory=dict)
     checkpointed: bool = False
     forked_rng: bool = False
+    traced: bool = False
+    pipeline_cut: bool = False

@@ -22,14 +22,30 @@ from megatron_slapo.parallel.collectives import group_rank, group_size
 from megatron_slapo.parallel.state import default_group
 from megatron_slapo.primitives.annotate import AnnotateMixin
 from megatron_slapo.primitives.checkpoint import CheckpointMixin
+from megatron_slapo.primitives.find import FindMixin
+from megatron_slapo.primitives.fuse import FuseMixin
 from megatron_slapo.primitives.hook import HookMixin
+from megatron_slapo.primitives.pipeline import PipelineMixin
 from megatron_slapo.primitives.replace import ReplaceMixin
 from megatron_slapo.primitives.rng import ForkRngMixin
 from megatron_slapo.primitives.shard import ShardMixin
 from megatron_slapo.primitives.sync import SyncMixin
+from megatron_slapo.primitives.trace import TraceMixin
 
 
-class Schedule(ReplaceMixin, ShardMixin, SyncMixin, CheckpointMixin, HookMixin, ForkRngMixin, AnnotateMixin):
+class Schedule(
+    ReplaceMixin,
+    ShardMixin,
+    SyncMixin,
+    CheckpointMixin,
+    HookMixin,
+    ForkRngMixin,
+    AnnotateMixin,
+    TraceMixin,
+    FindMixin,
+    FuseMixin,
+    PipelineMixin,
+):
     """A node of the schedule tree; see :func:`create_schedule`."""
 
     def __init__(
@@ -47,8 +63,23 @@ class Schedule(ReplaceMixin, ShardMixin, SyncMixin, CheckpointMixin, HookMixin, 
         self.child: dict[str, Schedule] = {}
         self._adopt_children()
 
-    def _adopt_children(self) -> None:
-        self.child = {n: Schedule(m, n, self, self.group) for n, m in self.mod.named_children()}
+    def _adopt_children(self, reuse: dict[int, Schedule] | None = None) -> None:
+        """(Re)build the child nodes from ``self.mod``; modules found in ``reuse`` (by identity) keep
+        their existing node, and with it everything the primitives recorded there."""
+        reuse = reuse or {}
+        self.child = {}
+        for name, module in self.mod.named_children():
+            node = reuse.get(id(module))
+            if node is None:
+                node = Schedule(module, name, self, self.group)
+            node.name, node.parent = name, self
+            node.mod = module
+            node._adopt_children(reuse)
+            self.child[name] = node
+
+    def _refresh_children(self) -> None:
+        """Rebuild the child nodes after ``self.mod`` changed, keeping the nodes of surviving modules."""
+        self._adopt_children({id(node.mod): node for _, node in self.named_schedules() if node is not self})
 
     # ----- tree -----------------------------------------------------------------------------
     @property

@@ -63,7 +63,7 @@ def _check_divisible(x: torch.Tensor, dim: int, world: int) -> None:
 
 
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    if group_size(group) == 1:
+    if group_size(group) == 1 or x.is_meta:  # meta tensors (tracing) only need the right shape
         return x
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
@@ -76,7 +76,8 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         return x
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((src.size(0) * world, *src.shape[1:]))
-    _all_gather_single(out, src, group=group)
+    if not x.is_meta:
+        _all_gather_single(out, src, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -95,7 +96,8 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     _check_divisible(x, dim, world)
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((src.size(0) // world, *src.shape[1:]))
-    _reduce_scatter_single(out, src, group=group)
+    if not x.is_meta:
+        _reduce_scatter_single(out, src, group=group)
     return out.movedim(0, dim).contiguous()
 
 

@@ -13,9 +13,13 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.fx as fx
+from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from megatron_slapo.graph_edit import external_users, extract, splice
 from megatron_slapo.parallel.random import get_rng_tracker
+from megatron_slapo.pattern import Subgraph
 from megatron_slapo.primitives.forward import add_forward_wrapper
 from megatron_slapo.primitives.registry import primitive
 
@@ -46,11 +50,37 @@ def checkpointed(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return torch_checkpoint(inner, *args, use_reentrant=False, context_fn=_tracker_contexts, **kwargs)
 
 
+class CheckpointedSubgraph(nn.Module):
+    """Part of a traced graph, run under activation checkpointing."""
+
+    def __init__(self, graph: fx.GraphModule) -> None:
+        super().__init__()
+        self.__dict__["graph"] = graph  # its layers stay registered where they were (no duplicate weights)
+
+    def forward(self, *inputs: Any) -> Any:
+        return checkpointed(self.graph, *inputs)
+
+
 class CheckpointMixin:
     @primitive
-    def checkpoint(self: Schedule) -> None:
-        """Recompute this module's activations in the backward pass instead of storing them."""
+    def checkpoint(self: Schedule, subgraph: Subgraph | None = None) -> None:
+        """Recompute this module's activations (or only a subgraph's, from ``find``) in the backward pass."""
+        if subgraph is not None:
+            self._checkpoint_subgraph(subgraph)
+            return
         if self.metadata.checkpointed:
             raise self._error("checkpoint() is already applied to this module")
         add_forward_wrapper(self.mod, checkpointed)
         self.metadata.checkpointed = True
+
+    def _checkpoint_subgraph(self: Schedule, subgraph: Subgraph) -> None:
+        owner = subgraph.owner
+        leaking = [n.name for n, users in external_users(subgraph.nodes).items() if users and n not in subgraph.outputs]
+        if leaking:
+            raise owner._error(f"cannot checkpoint {subgraph}: {', '.join(leaking)} are also used outside it")
+        graph = extract(owner.mod, subgraph.nodes, subgraph.inputs, subgraph.outputs, "CheckpointedPart")
+        group = [(subgraph.nodes, subgraph.outputs)]
+        splice(
+            owner.mod, group, subgraph.inputs, CheckpointedSubgraph(graph), "checkpointed", callee_runs_replaced=True
+        )
+        owner._refresh_children()

@@ -9,25 +9,18 @@ unsharded.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from megatron_slapo.graph_edit import external_users, splice
+from megatron_slapo.module_surgery import move_hooks
+from megatron_slapo.pattern import Subgraph
 from megatron_slapo.primitives.registry import primitive
 
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
-
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-)
 
 
 class FunctionModule(nn.Module):
@@ -69,13 +62,26 @@ def _move_tensors(old: nn.Module, new: nn.Module) -> list[str]:
 
 class ReplaceMixin:
     @primitive
-    def replace(self: Schedule, new_module: nn.Module | Callable[..., Any], *, keep_weights: bool = True) -> None:
-        """Swap this module for ``new_module`` (or a function), keeping its weights and hooks.
+    def replace(
+        self: Schedule,
+        new_module: nn.Module | Callable[..., Any],
+        *,
+        keep_weights: bool = True,
+        target_ops: Subgraph | Sequence[Subgraph] | None = None,
+        name: str | None = None,
+    ) -> None:
+        """Swap this module for ``new_module`` (or a function), keeping its weights and hooks; or, with ``target_ops``, swap subgraphs found by ``find``.
 
         Tensors whose name and shape match are taken over from the old module (the same objects,
         so ties and pretrained values are kept); a same-named tensor with another shape is an
-        error unless ``keep_weights=False``.
+        error unless ``keep_weights=False``. With ``target_ops`` one subgraph is replaced
+        vertically (``new_module(*its inputs)`` stands for its output(s)); several single-output
+        subgraphs sharing their inputs (q, k, v) are replaced horizontally by one call whose
+        items stand for their outputs. Hooks of replaced modules move to ``new_module``.
         """
+        if target_ops is not None:
+            self._replace_subgraphs(new_module, target_ops, name)
+            return
         if self.parent is None:
             raise self._error("cannot replace the root module; pass the new model to create_schedule()")
         if not isinstance(new_module, nn.Module):
@@ -110,16 +116,34 @@ class ReplaceMixin:
                     + "; ".join(mismatched)
                     + " (pass keep_weights=False to start them fresh)"
                 )
-        for attr in _HOOK_DICTS:  # move the dicts themselves, so existing hook handles keep working
-            hooks = getattr(old, attr)
-            hooks.update(getattr(new_module, attr))
-            setattr(new_module, attr, hooks)
-        if getattr(old, "_is_full_backward_hook", None) is not None:
-            new_module._is_full_backward_hook = old._is_full_backward_hook
+        move_hooks(old, new_module)
         new_module.train(old.training)
         setattr(self.parent.mod, self.name, new_module)
         self.mod = new_module
         self._adopt_children()
+
+    def _replace_subgraphs(self: Schedule, callee: Any, target_ops: Any, name: str | None) -> None:
+        groups = [target_ops] if isinstance(target_ops, Subgraph) else list(target_ops)
+        if not groups or not all(isinstance(g, Subgraph) for g in groups):
+            raise self._error("target_ops must be a Subgraph or a list of Subgraphs from find()", TypeError)
+        if not (isinstance(callee, nn.Module) or callable(callee)):
+            raise self._error(f"replace() expects an nn.Module or a callable, got {type(callee).__name__}", TypeError)
+        owner = groups[0].owner
+        if any(g.owner is not owner for g in groups):
+            raise self._error("target_ops must all come from the same traced module")
+        if len(groups) == 1:
+            g = groups[0]
+            leaking = [n.name for n, users in external_users(g.nodes).items() if users and n not in g.outputs]
+            if leaking:
+                raise owner._error(f"cannot replace the subgraph: {', '.join(leaking)} are also used outside it")
+        else:
+            if any(len(g.outputs) != 1 for g in groups):
+                raise owner._error("a horizontal replace takes single-output subgraphs")
+            if any(g.inputs != groups[0].inputs for g in groups):
+                raise owner._error("a horizontal replace needs subgraphs that share their inputs (like q, k, v)")
+        label = name or (type(callee).__name__ if isinstance(callee, nn.Module) else callee.__name__).lower()
+        splice(owner.mod, [(g.nodes, g.outputs) for g in groups], groups[0].inputs, callee, label)
+        owner._refresh_children()
 
     @primitive
     def replace_all(

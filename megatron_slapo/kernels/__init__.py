@@ -1,0 +1,1 @@
+"""Replacement modules that schedules splice in: fused QKV, compiled subgraphs, decomposed linears."""

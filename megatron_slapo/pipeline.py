@@ -1,0 +1,145 @@
+"""Pipeline partitioning: split a traced model at ``cut_pipeline_stage`` marks into stage modules.
+
+``sch["transformer.h.2"].cut_pipeline_stage()`` says "a new stage starts at this module". The
+partitioner takes the traced root graph, inlines the traced levels between the root and each cut
+(so all cuts lie in one graph), assigns every node to a stage, and builds one GraphModule per
+stage. A liveness pass decides what crosses each cut: every value computed before the cut and used
+after it (model inputs such as the attention mask included) is an output of the stage before and an
+input of the stage after; values only passing through are forwarded. Weights used by several
+stages (tied embeddings) are reported, because the engine must keep their copies in sync.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch.fx as fx
+from torch import nn
+
+from megatron_slapo.errors import SchedulingError
+from megatron_slapo.graph_edit import graph_order, inline
+
+if TYPE_CHECKING:
+    from megatron_slapo.schedule import Schedule
+
+
+@dataclass
+class StagePlan:
+    """Where the cuts are, as the partitioner saw them."""
+
+    cut_paths: list[str]  # module paths (from the root) that start stages 1, 2, ...
+    crossing: list[list[str]]  # names of the values crossing each cut
+    tied: dict[str, list[int]]  # a parameter used by several stages -> those stages
+
+
+class PipelineStages(nn.Module):
+    """The stage modules of a pipeline, and (for checking) their composition as one model.
+
+    ``stages[i]`` takes the values crossing cut ``i - 1`` (stage 0 takes the model inputs) and
+    returns the values crossing cut ``i`` as a tuple (the last stage returns the model output).
+    """
+
+    def __init__(self, stages: list[fx.GraphModule], plan: StagePlan) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+        self.plan = plan
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        values = self.stages[0](*args, **kwargs)
+        for stage in self.stages[1:]:
+            values = stage(*values)
+        return values
+
+
+def _flat_root(sch: Schedule, cut_paths: list[str]) -> fx.GraphModule:
+    """The root graph with every traced level on the way to a cut inlined (modules are shared)."""
+    if not isinstance(sch.mod, fx.GraphModule):
+        raise SchedulingError("pipeline cuts need a traced model: trace() the root schedule first")
+    flat = fx.GraphModule(sch.mod, copy.deepcopy(sch.mod.graph), "Flat" + type(sch.mod).__name__)
+    for path in cut_paths:
+        while not any(n.op == "call_module" and n.target == path for n in flat.graph.nodes):
+            caller = next(
+                (n for n in flat.graph.nodes if n.op == "call_module" and path.startswith(f"{n.target}.")), None
+            )
+            if caller is None or not isinstance(flat.get_submodule(caller.target), fx.GraphModule):
+                raise SchedulingError(f"[{path}] cut_pipeline_stage: no traced level calls this module")
+            inline(flat, caller)
+    flat.graph.lint()
+    flat.recompile()
+    return flat
+
+
+def _assign_stages(graph: fx.Graph, cut_paths: list[str]) -> dict[fx.Node, int]:
+    starts = {
+        next(n for n in graph.nodes if n.op == "call_module" and n.target == path): i + 1
+        for i, path in enumerate(cut_paths)
+    }
+    order = graph_order(graph)
+    stage_of: dict[fx.Node, int] = {}
+    current = 0
+    for node in graph.nodes:
+        current = max(current, starts.get(node, 0))
+        stage_of[node] = current
+    if sorted(starts.values()) != [starts[n] for n in sorted(starts, key=order.__getitem__)]:
+        raise SchedulingError(f"pipeline cuts {cut_paths} are not in execution order")
+    for node in graph.nodes:  # weights live in the stage that first uses them
+        if node.op == "get_attr" and node.users:
+            stage_of[node] = min(stage_of[u] for u in node.users)
+    return stage_of
+
+
+def _live_across(graph: fx.Graph, stage_of: dict[fx.Node, int], boundary: int) -> list[fx.Node]:
+    """Values computed before stage ``boundary`` and used in it or later."""
+    return [
+        n for n in graph.nodes
+        if n.op not in ("get_attr", "output") and stage_of[n] < boundary
+        and any(stage_of[u] >= boundary for u in n.users)
+    ]  # fmt: skip
+
+
+def _stage_module(flat: fx.GraphModule, stage: int, stage_of: dict, inputs: list[fx.Node],
+                  outputs: list[fx.Node] | None) -> fx.GraphModule:  # fmt: skip
+    graph, env = fx.Graph(), {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+    for node in flat.graph.nodes:
+        if node in env or node.op == "output":
+            continue
+        if stage_of[node] == stage or (node.op == "get_attr" and any(stage_of[u] == stage for u in node.users)):
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    if outputs is None:
+        final = next(n for n in flat.graph.nodes if n.op == "output")
+        graph.output(fx.node.map_arg(final.args[0], lambda n: env[n]))
+    else:
+        graph.output(tuple(env[n] for n in outputs))
+    return fx.GraphModule(flat, graph, f"Stage{stage}")
+
+
+def _tied(stages: list[fx.GraphModule]) -> dict[str, list[int]]:
+    owners: dict[int, tuple[str, list[int]]] = {}
+    for i, stage in enumerate(stages):
+        for name, p in stage.named_parameters():
+            first, used = owners.setdefault(id(p), (name, []))
+            if i not in used:
+                used.append(i)
+    return {name: used for name, used in owners.values() if len(used) > 1}
+
+
+def partition(sch: Schedule) -> PipelineStages:
+    """Split the traced root of ``sch`` at its ``cut_pipeline_stage`` marks."""
+    cut_paths = [path for path, node in sch.named_schedules() if node.metadata.pipeline_cut]
+    flat = _flat_root(sch, cut_paths)
+    order = graph_order(flat.graph)
+    cut_paths.sort(key=lambda p: order[next(n for n in flat.graph.nodes if n.op == "call_module" and n.target == p)])
+    stage_of = _assign_stages(flat.graph, cut_paths)
+    placeholders = [n for n in flat.graph.nodes if n.op == "placeholder"]
+    boundaries = [_live_across(flat.graph, stage_of, k + 1) for k in range(len(cut_paths))]
+    stages = []
+    for k in range(len(cut_paths) + 1):
+        inputs = placeholders if k == 0 else boundaries[k - 1]
+        outputs = boundaries[k] if k < len(cut_paths) else None
+        stages.append(_stage_module(flat, k, stage_of, inputs, outputs))
+    crossing = [[n.name for n in b] for b in boundaries]
+    return PipelineStages(stages, StagePlan(cut_paths, crossing, _tied(stages)))

@@ -1,0 +1,530 @@
+"""Structure-preserving torch.fx tracing of transformers-5 modules.
+
+transformers 5 removed its fx tracer, and plain ``torch.fx.symbolic_trace`` fails on HF attention
+and decoder blocks (../shared/notes/cpu-feasibility.md §3). Three things make it work:
+
+1. **An explicit signature.** HF forwards are ``(self, *args, **kwargs)`` wrappers; fx needs named
+   inputs. We trace a generated wrapper ``forward(self, hidden_states, ...)`` that calls the module
+   with those tensors plus the constant arguments (``use_cache=False``, ``None`` masks) baked in,
+   which also removes the Python branches on optional inputs.
+2. **Meta tensors for shapes.** ``(*x.shape[:-1], -1, head_dim)`` needs concrete sizes, so tracing
+   propagates meta tensors (torch's ``MetaTracer``), evaluating leaf modules on a meta copy. The
+   graph is therefore specialised to the traced input shapes; a guard refuses other shapes with a
+   clear error instead of computing something wrong.
+3. **One graph per level.** Every level of the module tree becomes its own ``GraphModule``: leaf
+   layers (``nn.Linear``, HF ``Conv1D``, norms, dropout, ...) and child modules stay ``call_module``
+   nodes, so ``sch["h.0.attn"]`` still addresses the attention module after tracing ``h.0``. The
+   call of each child is recorded with its argument shapes, so children can be traced in turn.
+
+HF ``ModelOutput`` return values are rebuilt as such (fx would flatten them into dicts).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import operator
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.experimental import meta_tracer
+from torch.fx.experimental.meta_tracer import MetaTracer
+from transformers import activations as hf_activations
+from transformers.pytorch_utils import Conv1D
+from transformers.utils import ModelOutput
+
+# MetaTracer's torch.where override breaks on HF's torch.where(mask, 0.0, min); torch.where runs on meta natively.
+meta_tracer.manual_meta_overrides.pop(torch.where, None)
+
+
+def _metas(value: Any) -> Any:
+    """MetaTracer's proxys_to_metas, plus attribute proxies (``outputs.last_hidden_state``), whose
+    meta MetaTracer never computes: it is the attribute of the owner's meta."""
+    if isinstance(value, meta_tracer.MetaAttribute) and not isinstance(value, meta_tracer.MetaDeviceAttribute):
+        if "_tensor_meta" not in value.__dict__:
+            return getattr(_metas(value.root), value.attr)
+    return _original_proxys_to_metas(value)
+
+
+_original_proxys_to_metas = meta_tracer.proxys_to_metas
+meta_tracer.proxys_to_metas = _metas  # MetaTracer looks it up in its module at call time
+
+_ORIGINAL_MODULE_CALL = nn.Module.__call__
+# Layers that stay one node, besides every module defined in torch.nn (fx's default): HF's Conv1D
+# and HF's activation modules (so that find() can match them against F.gelu and friends).
+LEAF_TYPES: tuple[type[nn.Module], ...] = (Conv1D,) + tuple(
+    cls for cls in vars(hf_activations).values() if isinstance(cls, type) and issubclass(cls, nn.Module)
+)
+
+
+class TraceError(RuntimeError):
+    """A module could not be traced; the message names its path and the construct that failed."""
+
+
+@dataclass
+class Call:
+    """How a module is called: tensor inputs (by parameter name) and constant arguments.
+
+    ``tensors`` maps an input name to a tensor, or to a tuple of tensors (Llama's
+    ``position_embeddings=(cos, sin)``); ``sources`` holds, for a call recorded in a parent graph,
+    the parent's fx nodes that feed each input.
+    """
+
+    tensors: dict[str, Any]
+    constants: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, Any] = field(default_factory=dict)
+
+    def flat_inputs(self) -> list[tuple[str, torch.Tensor]]:
+        """Placeholder names and tensors, tuples flattened as ``name_0``, ``name_1`` ..."""
+        flat = []
+        for name, value in self.tensors.items():
+            if isinstance(value, (tuple, list)):
+                flat.extend((f"{name}_{i}", v) for i, v in enumerate(value))
+            else:
+                flat.append((name, value))
+        return flat
+
+
+def _signature(module: nn.Module) -> inspect.Signature:
+    return inspect.signature(inspect.unwrap(type(module).forward))
+
+
+def _is_tensor_like(value: Any) -> bool:
+    if isinstance(value, (torch.Tensor, fx.Proxy, fx.Node)):
+        return True
+    return isinstance(value, (tuple, list)) and bool(value) and all(_is_tensor_like(v) for v in value)
+
+
+def bind_call(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Map a call's positional and keyword arguments onto the module's forward parameter names."""
+    sig = _signature(module)
+    params = [p for name, p in sig.parameters.items() if name != "self"]
+    bound: dict[str, Any] = {}
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(args) > len(positional):
+        raise TraceError(
+            f"{type(module).__name__}.forward got {len(args)} positional arguments; *args are not traceable"
+        )
+    for p, value in zip(positional, args, strict=False):
+        bound[p.name] = value
+    bound.update(kwargs)
+    return bound
+
+
+def make_call(module: nn.Module, args: tuple, kwargs: dict, sources: dict | None = None) -> Call:
+    """Split a call into traced tensor inputs and baked-in constants."""
+    tensors, constants = {}, {}
+    for name, value in bind_call(module, args, kwargs).items():
+        (tensors if _is_tensor_like(value) else constants)[name] = value
+    return Call(tensors, constants, sources or {})
+
+
+def _wrapper(module: nn.Module, call: Call) -> nn.Module:
+    """A module whose forward has one named parameter per tensor input and calls ``module``."""
+    parts = []
+    for name, value in call.tensors.items():
+        if isinstance(value, (tuple, list)):
+            parts.append(f"{name}=({', '.join(f'{name}_{i}' for i in range(len(value)))},)")
+        else:
+            parts.append(f"{name}={name}")
+    names = [n for n, _ in call.flat_inputs()]
+    src = (
+        f"def forward(self, {', '.join(names)}):\n"
+        f"    out = self.inner({', '.join(parts)}, **self.constants)\n"
+        f"    self.__dict__['out_type'] = type(out)\n"
+        f"    self.__dict__['out'] = out\n"
+        f"    return out\n"
+    )
+    namespace: dict[str, Any] = {}
+    exec(src, namespace)
+    cls = type(f"Traced{type(module).__name__}", (nn.Module,), {"forward": namespace["forward"]})
+    wrapper = cls()
+    wrapper.inner = module
+    wrapper.constants = dict(call.constants)
+    return wrapper
+
+
+def is_builtin_leaf(module: nn.Module) -> bool:
+    """Layers fx keeps as one op: modules defined in torch.nn (not containers) and HF's Conv1D.
+    Modules marked ``slapo_inline`` (decomposed layers) are always traced through."""
+    if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)) or getattr(module, "slapo_inline", False):
+        return False
+    return isinstance(module, LEAF_TYPES) or type(module).__module__.startswith("torch.nn.")
+
+
+def level_children(module: nn.Module) -> set[str]:
+    """Qualified names of the modules that are children of this level (looking through ModuleLists;
+    modules marked ``slapo_inline`` are part of this level's graph instead)."""
+    names = set()
+    for name, child in module.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+            names |= {f"{name}.{n}" for n in level_children(child)}
+        elif not getattr(child, "slapo_inline", False):
+            names.add(name)
+    return names
+
+
+def _to_meta(value: Any) -> Any:
+    """The meta tensors behind a (possibly nested) traced output, containers and ModelOutputs kept."""
+    if isinstance(value, fx.Proxy):
+        return _metas(value)
+    if isinstance(value, ModelOutput):
+        return type(value)(**{k: _to_meta(v) for k, v in value.items()})
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value
+
+
+class _Tracer(MetaTracer):
+    """MetaTracer for one level: leaf layers are evaluated on a meta copy; child levels are traced
+    (recursively) and their traced output shapes used, so no child runs eagerly on meta tensors
+    (HF mask code, for one, calls ``.item()`` when it is not being traced)."""
+
+    def __init__(self, module: nn.Module, path: str, flatten: bool, user_leaves: tuple[type, ...]) -> None:
+        super().__init__()
+        self.module, self.path, self.flatten, self.user_leaves = module, path, flatten, user_leaves
+        self.levels = set() if flatten else level_children(module)
+        self.children: dict[str, Traced] = {}
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname == "inner" or not qualname.startswith("inner."):
+            return False
+        return is_builtin_leaf(m) or isinstance(m, self.user_leaves) or qualname[len("inner.") :] in self.levels
+
+    def trace(self, root: nn.Module, meta_args: dict, concrete_args: dict | None = None) -> fx.Graph:
+        self.meta_root = copy.deepcopy(root).to("meta")
+        return super().trace(root, meta_args, concrete_args)
+
+    def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        if kind != "call_module":
+            return super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        proxy = fx.Tracer.create_proxy(self, kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        qualname = target[len("inner.") :]
+        meta_args, meta_kwargs = fx.node.map_aggregate((args, kwargs), _metas)
+        child = self.module.get_submodule(qualname)
+        if qualname in self.levels and not is_builtin_leaf(child) and not isinstance(child, self.user_leaves):
+            call = make_call(child, meta_args, meta_kwargs)
+            call.sources = bind_call(child, *fx.node.map_aggregate((args, kwargs), _node_of))
+            child_path = f"{self.path}.{qualname}" if self.path else qualname
+            self._disable_module_getattr = True  # the nested tracer copies modules: keep ours out of it
+            try:
+                self.children[qualname] = trace_level(child, call, child_path, self.flatten, self.user_leaves)
+            finally:
+                self._disable_module_getattr = False
+            proxy.install_tensor_meta(self.children[qualname].output_meta)
+        else:
+            proxy.install_tensor_meta(self._run_on_meta(target, meta_args, meta_kwargs))
+        return proxy
+
+    def _run_on_meta(self, target: str, args: tuple, kwargs: dict) -> Any:
+        # fx has patched Module.__call__ to record calls; a leaf that calls its own children needs it back.
+        patched_call = nn.Module.__call__
+        self._disable_module_getattr = True
+        nn.Module.__call__ = _ORIGINAL_MODULE_CALL
+        try:
+            return self.meta_root.get_submodule(target)(*args, **kwargs)
+        finally:
+            nn.Module.__call__ = patched_call
+            self._disable_module_getattr = False
+
+
+def _node_of(value: Any) -> Any:
+    return value.node if isinstance(value, fx.Proxy) else value
+
+
+def _regroup_tuple_inputs(graph: fx.Graph, call: Call) -> dict[fx.Node, fx.Node]:
+    """Turn the flattened ``name_0, name_1`` placeholders of a tuple input back into one ``name``;
+    return which node now stands for each removed placeholder."""
+    placeholders = {n.target: n for n in graph.nodes if n.op == "placeholder"}
+    moved: dict[fx.Node, fx.Node] = {}
+    for name, value in call.tensors.items():
+        if not isinstance(value, (tuple, list)):
+            continue
+        parts = [placeholders[f"{name}_{i}"] for i in range(len(value))]
+        with graph.inserting_before(parts[0]):
+            grouped = graph.placeholder(name)
+        with graph.inserting_after(parts[-1]):
+            for i, part in enumerate(parts):
+                item = graph.call_function(operator.getitem, (grouped, i))
+                part.replace_all_uses_with(item)
+                graph.erase_node(part)
+                moved[part] = item
+    return moved
+
+
+def _strip_prefix(graph: fx.Graph) -> None:
+    """Targets and names were recorded under the tracing wrapper's ``inner`` attribute."""
+    for node in graph.nodes:
+        if node.op in ("call_module", "get_attr") and isinstance(node.target, str) and node.target.startswith("inner."):
+            node.target = node.target[len("inner.") :]
+        if node.name.startswith("inner_") and node.name != "inner_self":  # "self" would shadow the module
+            node._rename(node.name[len("inner_") :])
+
+
+def _rebuild_model_output(graph: fx.Graph, out_type: type) -> None:
+    if not (isinstance(out_type, type) and issubclass(out_type, ModelOutput)):
+        return
+    output = next(n for n in graph.nodes if n.op == "output")
+    value = output.args[0]
+    if isinstance(value, dict):
+        with graph.inserting_before(output):
+            rebuilt = graph.call_function(out_type, (), dict(value))
+        output.args = (rebuilt,)
+
+
+def _failure(path: str, module: nn.Module, err: BaseException) -> TraceError:
+    """Name the module and the source line (outside torch.fx) where tracing broke."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if "/torch/fx/" not in f.filename]
+    where = ""
+    if frames:
+        f = frames[-1]
+        where = f" at {f.filename.split('site-packages/')[-1]}:{f.lineno} `{(f.line or '').strip()}`"
+    return TraceError(
+        f"[{path or '<root>'}] cannot trace {type(module).__name__}: {type(err).__name__}: "
+        f"{str(err).splitlines()[0] if str(err) else ''}{where}. Keep it a leaf (leaf_modules=...) "
+        "or give the failing argument as a constant (concrete_args=...)"
+    )
+
+
+@dataclass
+class Traced:
+    """One traced level: its GraphModule, the traced child levels, and its output as meta tensors."""
+
+    module: fx.GraphModule
+    call: Call
+    children: dict[str, Traced]
+    output_meta: Any
+
+
+def trace_level(
+    module: nn.Module, call: Call, path: str = "", flatten: bool = False, user_leaves: tuple[type, ...] = ()
+) -> Traced:
+    """Trace ``module`` for ``call``; child levels are traced too (see :func:`install`)."""
+    wrapper = _wrapper(module, call)
+    tracer = _Tracer(module, path, flatten, tuple(user_leaves))
+    metas = {name: t.to("meta") for name, t in call.flat_inputs()}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            graph = tracer.trace(wrapper, metas)
+    except TraceError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure inside user/HF code is reported the same way
+        raise _failure(path, module, err) from err
+    constants = {
+        n.target: getattr(wrapper, n.target)
+        for n in graph.nodes
+        if n.op == "get_attr" and not n.target.startswith("inner.")  # tensors fx lifted onto the wrapper
+    }
+    _strip_prefix(graph)
+    moved = _regroup_tuple_inputs(graph, call)
+    for child in tracer.children.values():
+        child.call.sources = fx.node.map_arg(child.call.sources, lambda n: moved.get(n, n))
+    _rebuild_model_output(graph, wrapper.__dict__.get("out_type"))
+    gm = fx.GraphModule(_graph_root(module, graph, constants), graph, f"Traced{type(module).__name__}")
+    gm.train(module.training)
+    gm.register_forward_pre_hook(CallGuard(path, module, call), with_kwargs=True)
+    return Traced(gm, call, tracer.children, _to_meta(wrapper.__dict__.get("out")))
+
+
+def _graph_root(module: nn.Module, graph: fx.Graph, constants: dict[str, Any]) -> dict[str, Any]:
+    """What the GraphModule needs: the submodules and attributes the graph refers to."""
+    root: dict[str, Any] = dict(constants)
+    for node in graph.nodes:
+        if node.op == "call_module":
+            root[node.target] = module.get_submodule(node.target)
+        elif node.op == "get_attr" and node.target not in constants:
+            owner, _, name = node.target.rpartition(".")
+            root[node.target] = getattr(module.get_submodule(owner) if owner else module, name)
+    return root
+
+
+def install(traced: Traced, recursive: bool = True) -> fx.GraphModule:
+    """Put each traced child level into its parent's GraphModule, calling it with its tensor inputs
+    (``recursive=False`` leaves the children as the original modules)."""
+    gm = traced.module
+    for qualname, child in traced.children.items() if recursive else ():
+        install(child)
+        parent_name, _, leaf = qualname.rpartition(".")
+        setattr(gm.get_submodule(parent_name) if parent_name else gm, leaf, child.module)
+        for node in gm.graph.nodes:
+            if node.op == "call_module" and node.target == qualname:
+                node.args = ()
+                node.kwargs = {name: child.call.sources[name] for name in child.call.tensors}
+    gm.recompile()
+    return gm
+
+
+def dropout_p_when_training(training: bool, p: float) -> float:
+    """Inserted in traced graphs: attention dropout applies only in training mode."""
+    return p if training else 0.0
+
+
+_SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+_DROPOUT = (torch.nn.functional.dropout,)
+
+
+def _mode_blind(graph: fx.Graph) -> list[tuple]:
+    """The graph with the dropout probabilities and flags that depend on train/eval mode masked out."""
+    index = {node: i for i, node in enumerate(graph.nodes)}
+    masked = {"dropout_p", "p", "training"}
+
+    def norm(value: Any, key: str | None = None) -> Any:
+        if key in masked:
+            return "*"
+        return fx.node.map_aggregate(value, lambda v: ("node", index[v]) if isinstance(v, fx.Node) else repr(v))
+
+    sig = []
+    for node in graph.nodes:
+        dropout = node.op == "call_function" and node.target in _SDPA + _DROPOUT
+        kwargs = {k: norm(v, k if dropout else None) for k, v in node.kwargs.items()}
+        sig.append((node.op, _target_name(node.target), norm(node.args), kwargs))
+    return sig
+
+
+def _target_name(target: Any) -> str:
+    # Stable across traces (MetaTracer wraps torch.arange & co. anew for every trace).
+    if callable(target) and hasattr(target, "__qualname__"):
+        return f"{getattr(target, '__module__', '')}.{target.__qualname__}"
+    return str(target)
+
+
+def _make_dropout_mode_aware(gm: fx.GraphModule) -> None:
+    """Dropout in functional attention read ``self.training`` at trace time; read it at run time."""
+    graph = gm.graph
+    targets = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA + _DROPOUT]
+    if not targets:
+        return
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last_placeholder):
+        training = graph.create_node("get_attr", "training")  # a bool attribute: skip get_attr's tensor check
+    for node in targets:
+        with graph.inserting_before(node):
+            if node.target in _SDPA and node.kwargs.get("dropout_p"):
+                p = graph.call_function(dropout_p_when_training, (training, node.kwargs["dropout_p"]))
+                node.kwargs = {**node.kwargs, "dropout_p": p}
+            elif node.target in _DROPOUT and "training" in node.kwargs:
+                node.kwargs = {**node.kwargs, "training": training}
+    gm.recompile()
+
+
+def reconcile_modes(train: Traced, evaluation: Traced) -> None:
+    """Make ``train`` (traced in train mode) right in eval mode too, or mark it train-only.
+
+    Levels whose eval-mode graph equals the train-mode one up to dropout get runtime dropout
+    switches; any other mode-dependent branch leaves the level valid in train mode only (its guard
+    refuses eval calls rather than compute something wrong).
+    """
+    if _mode_blind(train.module.graph) == _mode_blind(evaluation.module.graph):
+        _make_dropout_mode_aware(train.module)
+    else:
+        train.module.meta["slapo_train_only"] = True
+    for name, child in train.children.items():
+        if name in evaluation.children:
+            reconcile_modes(child, evaluation.children[name])
+        else:
+            child.module.meta["slapo_train_only"] = True
+
+
+def trace_module(
+    module: nn.Module,
+    call: Call,
+    path: str = "",
+    flatten: bool = False,
+    user_leaves: tuple[type, ...] = (),
+    recursive: bool = True,
+) -> Traced:
+    """Trace in train mode and in eval mode, reconcile the two, install the child levels."""
+    was_training = module.training
+    try:
+        module.train(True)
+        train = trace_level(module, call, path, flatten, user_leaves)
+        module.train(False)
+        evaluation = trace_level(module, call, path, flatten, user_leaves)
+    finally:
+        module.train(was_training)
+    reconcile_modes(train, evaluation)
+    install(train, recursive)
+    train.module.train(was_training)
+    return train
+
+
+def _shapes(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return tuple(_shapes(v) for v in value)
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _same(value: Any, expected: Any) -> bool:
+    if value is expected:
+        return True
+    if isinstance(value, torch.Tensor) or isinstance(expected, torch.Tensor) or type(value) is not type(expected):
+        return False
+    try:
+        return bool(value == expected)
+    except Exception:  # noqa: BLE001 - objects without a usable ==
+        return False
+
+
+class CallGuard:
+    """Forward pre-hook of every traced GraphModule: takes calls in the original module's signature,
+    passes the tensor inputs on, and refuses what the graph was not traced for (other input shapes,
+    other values of the baked-in arguments, eval mode for a train-only graph) instead of computing
+    something wrong."""
+
+    def __init__(self, path: str, module: nn.Module, call: Call) -> None:
+        self.path = path or "<root>"
+        sig = _signature(module)
+        self.signature = sig.replace(parameters=[p for n, p in sig.parameters.items() if n != "self"])
+        self.var_kwargs = next((n for n, p in sig.parameters.items() if p.kind == p.VAR_KEYWORD), None)
+        self.shapes = {name: _shapes(value) for name, value in call.tensors.items()}
+        self.constants = dict(call.constants)
+
+    def _error(self, message: str) -> TraceError:
+        return TraceError(f"[{self.path}] {message}")
+
+    def __call__(self, module: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if module.meta.get("slapo_train_only") and not module.training:
+            raise self._error(
+                "its traced graph depends on train/eval mode beyond dropout and was traced in train mode; "
+                "call it in train mode, or keep this module a leaf when tracing"
+            )
+        try:
+            bound = self.signature.bind(*args, **kwargs).arguments
+        except TypeError as e:
+            raise self._error(f"called with arguments its traced graph does not take: {e}") from e
+        given = {**{k: v for k, v in bound.items() if k != self.var_kwargs}, **bound.get(self.var_kwargs, {})}
+        inputs = {}
+        for name, value in given.items():
+            if name in self.shapes:
+                if _shapes(value) != self.shapes[name]:
+                    raise self._error(
+                        f"was traced for {name} of shape {self.shapes[name]} and called with {_shapes(value)}; "
+                        "trace again with example inputs of this shape"
+                    )
+                inputs[name] = value
+                continue
+            parameter = self.signature.parameters.get(name)
+            expected = self.constants.get(name, parameter.default if parameter is not None else None)
+            if expected is inspect.Parameter.empty or not _same(value, expected):
+                raise self._error(
+                    f"was traced with {name}={expected!r} baked in and called with {name}={_short(value)}; trace "
+                    f"with it as an example input (tensors) or in concrete_args (constants)"
+                )
+        missing = set(self.shapes) - set(inputs)
+        if missing:
+            raise self._error(f"traced inputs {sorted(missing)} were not given")
+        return (), inputs
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return repr(value)[:60]

@@ -1,0 +1,57 @@
+"""cut_pipeline_stage + the partitioner: stage modules whose chain equals the whole model."""
+
+import pytest
+import torch
+import transformers
+
+import megatron_slapo as ms
+from megatron_slapo.pipeline import PipelineStages
+from tests.utils import tiny_bert_config, tiny_gpt2_config
+
+IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+
+MODELS = {
+    "gpt2": (lambda: transformers.GPT2LMHeadModel(tiny_gpt2_config(n_layer=4)), "transformer.h", {"use_cache": False},
+             "transformer.wte.weight"),
+    "bert": (lambda: transformers.BertForMaskedLM(tiny_bert_config(num_hidden_layers=4)), "bert.encoder.layer", {},
+             "bert.embeddings.word_embeddings.weight"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("family", list(MODELS))
+def test_stages_chain_to_the_whole_model(family, stages):
+    make, layers, constants, tied_weight = MODELS[family]
+    torch.manual_seed(0)
+    model = make().eval()
+    expected = model(IDS, **constants).logits
+    sch = ms.create_schedule(model)
+    sch.trace(example_inputs={"input_ids": IDS}, concrete_args=constants)
+    starts = [1, 2, 3] if stages == 4 else [2]
+    for i in starts:
+        sch[f"{layers}.{i}"].cut_pipeline_stage()
+    pipeline = ms.build(sch)
+    assert isinstance(pipeline, PipelineStages) and len(pipeline.stages) == stages
+    assert torch.equal(pipeline(input_ids=IDS).logits, expected)
+    # Each stage runs on what the previous one hands over, and nothing else.
+    values = pipeline.stages[0](input_ids=IDS)
+    for k, stage in enumerate(pipeline.stages[1:]):
+        assert len(values) == len(pipeline.plan.crossing[k])
+        values = stage(*values)
+    assert torch.equal(values.logits, expected)
+    assert pipeline.plan.cut_paths == [f"{layers}.{i}" for i in starts]
+    assert pipeline.plan.tied == {tied_weight: [0, stages - 1]}  # embedding and LM head share it
+    stage_layers = [[n.target for n in s.graph.nodes if n.op == "call_module" and n.target.startswith(layers)]
+                    for s in pipeline.stages]  # fmt: skip
+    assert stage_layers[-1][0] == f"{layers}.{starts[-1]}"
+
+
+def test_cut_errors():
+    model = transformers.GPT2LMHeadModel(tiny_gpt2_config(n_layer=4))
+    sch = ms.create_schedule(model)
+    with pytest.raises(ms.SchedulingError, match=r"\[transformer.h.2\] cut_pipeline_stage\(\) needs a traced parent"):
+        sch["transformer.h.2"].cut_pipeline_stage()
+    sch.trace(example_inputs={"input_ids": IDS}, concrete_args={"use_cache": False})
+    sch["transformer.h.2"].cut_pipeline_stage()
+    with pytest.raises(ms.SchedulingError, match="already applied"):
+        sch["transformer.h.2"].cut_pipeline_stage()
