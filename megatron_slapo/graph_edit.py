@@ -14,7 +14,9 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from megatron_slapo.kernels.subgraph import SubgraphModule
 from megatron_slapo.module_surgery import move_hooks
+from megatron_slapo.tracing import CallGuard
 
 
 def graph_order(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -33,6 +35,11 @@ def check_vertical(nodes: Sequence[fx.Node], outputs: Sequence[fx.Node]) -> str 
     if len(outputs) != 1 or any(n is not outputs[0] for n in leaving):
         names = [n.name for n in leaving] or [n.name for n in outputs]
         return f"it has {len(set(names))} outputs ({', '.join(names)}); only single-output (vertical) subgraphs fit"
+    return check_convex(nodes)
+
+
+def check_convex(nodes: Sequence[fx.Node]) -> str | None:
+    """Why ``nodes`` cannot be replaced by one call: a path that leaves them and comes back."""
     inside, order = set(nodes), graph_order(nodes[0].graph)
     first = min(order[n] for n in nodes)
     for n in nodes:  # no path out of the subgraph and back in
@@ -90,6 +97,10 @@ def splice(owner: fx.GraphModule, groups: Sequence[tuple[Sequence[fx.Node], Sequ
     graph = owner.graph
     order = graph_order(graph)
     all_nodes = [n for nodes, _ in groups for n in nodes]
+    for nodes, _ in groups:  # check everything before changing anything
+        problem = check_convex(nodes)
+        if problem:
+            raise ValueError(f"cannot replace {[n.name for n in nodes]}: {problem}")
     anchor = min(all_nodes, key=order.__getitem__)
     if any(order[i] > order[anchor] for i in inputs):
         users = [u for _, outs in groups for o in outs for u in o.users if u not in all_nodes]
@@ -116,9 +127,20 @@ def splice(owner: fx.GraphModule, groups: Sequence[tuple[Sequence[fx.Node], Sequ
         graph.erase_node(node)
     graph.lint()
     if not callee_runs_replaced:
-        owner.delete_all_unused_submodules()
+        used = targets_in_use(owner)
+        for target in {n.target for n in all_nodes if n.op == "call_module"} - used:
+            owner.delete_submodule(target)
     owner.recompile()
     return name
+
+
+def targets_in_use(owner: fx.GraphModule) -> set[str]:
+    """Module/attribute paths the owner's graph or its subgraph modules still use."""
+    used = {str(n.target) for n in owner.graph.nodes if n.op in ("call_module", "get_attr")}
+    for child in owner.children():
+        if isinstance(child, SubgraphModule):
+            used |= child.targets()
+    return used
 
 
 def _free_name(owner: nn.Module, name: str) -> str:
@@ -135,6 +157,11 @@ def inline(parent: fx.GraphModule, node: fx.Node) -> None:
     child = parent.get_submodule(node.target)
     if not isinstance(child, fx.GraphModule):
         raise TypeError(f"{node.target} is not a traced module")
+    if child.meta.get("slapo_train_only"):
+        raise ValueError(f"{node.target} is traced for train mode only and cannot be inlined")
+    extra_hooks = [h for h in child._forward_pre_hooks.values() if not isinstance(h, CallGuard)]
+    if extra_hooks or child._forward_hooks:
+        raise ValueError(f"{node.target} has forward hooks, which inlining would drop")
     graph = parent.graph
     given = dict(zip([p.target for p in child.graph.nodes if p.op == "placeholder"], node.args, strict=False))
     given.update(node.kwargs)
@@ -147,7 +174,8 @@ def inline(parent: fx.GraphModule, node: fx.Node) -> None:
                 result = fx.node.map_arg(cnode.args[0], lambda n: env[n])
             else:
                 copied = graph.node_copy(cnode, lambda n: env[n])
-                if copied.op in ("call_module", "get_attr"):
+                mode_switch = copied.op == "get_attr" and copied.target == "training"  # reads the new runner
+                if copied.op in ("call_module", "get_attr") and not mode_switch:
                     copied.target = f"{node.target}.{copied.target}"
                 env[cnode] = copied
     _replace_structured(node, result)

@@ -9,7 +9,8 @@ is a function (or module) that is traced itself and matched against the graph no
 
 Ops are compared by what they compute, not how they are spelled: ``F.gelu`` matches an
 ``nn.GELU`` (or HF ``GELUActivation``) module call, ``torch.add`` matches ``x + y`` and the
-operands of ``+`` and ``*`` may come in either order. Patterns may have several outputs (trees,
+operands of ``+`` and ``*`` may come in either order. Constant arguments must be equal (``x - 1``
+does not match ``1 - x``; a dropout pattern's ``p`` must be the layer's). Patterns may have several outputs (trees,
 diamonds, parallel branches); every pattern input may bind to any node. Matches do not overlap.
 """
 
@@ -102,6 +103,24 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
     return [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
 
 
+def _arg(node: fx.Node, position: int, name: str, default: Any) -> Any:
+    return node.kwargs.get(name, node.args[position] if len(node.args) > position else default)
+
+
+def normalized_args(node: fx.Node, owner: nn.Module, key: str) -> tuple[list, dict]:
+    """The arguments that decide what a node computes, in one form for functional, method and module
+    spellings: ``nn.Dropout(p)(x)`` and ``F.dropout(x, p, training=...)`` both become ``([x], {"p": p})``
+    (the training flag is the mode, not the computation)."""
+    module = owner.get_submodule(node.target) if node.op == "call_module" else None
+    if key == "dropout":
+        return [node.args[0]], {"p": module.p if module is not None else _arg(node, 1, "p", 0.5)}
+    if key == "softmax":
+        return [node.args[0]], {"dim": module.dim if module is not None else _arg(node, 1, "dim", None)}
+    if key in ("gelu", "gelu_tanh", "relu", "silu", "tanh"):  # the variant is part of the key
+        return [node.args[0] if node.args else next(iter(node.kwargs.values()))], {}
+    return list(node.args), dict(node.kwargs)
+
+
 class _Matcher:
     """Backtracking match of a pattern graph onto a target graph, anchored at the pattern outputs."""
 
@@ -119,23 +138,40 @@ class _Matcher:
             return {**env, p: t}
         if t in self.taken or t in env.values() or t.op in ("placeholder", "get_attr", "output"):
             return None
-        if op_key(p, self.pattern) != op_key(t, self.target):
+        key = op_key(p, self.pattern)
+        if key != op_key(t, self.target):
             return None
-        p_args, t_args = _tensor_args(p), _tensor_args(t)
-        if len(p_args) != len(t_args):
+        p_args, p_kwargs = normalized_args(p, self.pattern, key)
+        t_args, t_kwargs = normalized_args(t, self.target, key)
+        if len(p_args) != len(t_args) or p_kwargs.keys() != t_kwargs.keys():
             return None
         orders = [t_args]
-        if op_key(p, self.pattern) in _COMMUTATIVE and len(t_args) == 2:
+        if key in _COMMUTATIVE and len(t_args) == 2:
             orders.append(t_args[::-1])
         for candidate in orders:
             trial: dict | None = {**env, p: t}
-            for pa, ta in zip(p_args, candidate, strict=True):
-                trial = self._match(pa, ta, trial)
+            pairs = [*zip(p_args, candidate, strict=True), *((p_kwargs[k], t_kwargs[k]) for k in p_kwargs)]
+            for pa, ta in pairs:
+                trial = self._match_value(pa, ta, trial)
                 if trial is None:
                     break
             if trial is not None:
                 return trial
         return None
+
+    def _match_value(self, pa: Any, ta: Any, env: dict) -> dict | None:
+        """Nodes match recursively; constants (and containers of them) must be equal."""
+        if isinstance(pa, fx.Node) and isinstance(ta, fx.Node):
+            return self._match(pa, ta, env)
+        if isinstance(pa, (tuple, list)) and isinstance(ta, (tuple, list)) and len(pa) == len(ta):
+            for a, b in zip(pa, ta, strict=True):
+                env = self._match_value(a, b, env)
+                if env is None:
+                    return None
+            return env
+        if isinstance(pa, fx.Node) or isinstance(ta, fx.Node):
+            return None
+        return env if pa == ta else None
 
     def _match_outputs(self, index: int, env: dict) -> dict | None:
         if index == len(self.outputs):

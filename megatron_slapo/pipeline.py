@@ -20,6 +20,8 @@ from torch import nn
 
 from megatron_slapo.errors import SchedulingError
 from megatron_slapo.graph_edit import graph_order, inline
+from megatron_slapo.kernels.subgraph import SubgraphModule
+from megatron_slapo.tracing import CallGuard
 
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
@@ -65,7 +67,10 @@ def _flat_root(sch: Schedule, cut_paths: list[str]) -> fx.GraphModule:
             )
             if caller is None or not isinstance(flat.get_submodule(caller.target), fx.GraphModule):
                 raise SchedulingError(f"[{path}] cut_pipeline_stage: no traced level calls this module")
-            inline(flat, caller)
+            try:
+                inline(flat, caller)
+            except ValueError as e:
+                raise SchedulingError(f"[{path}] cannot partition at this cut: {e}") from e
     flat.graph.lint()
     flat.recompile()
     return flat
@@ -114,14 +119,43 @@ def _stage_module(flat: fx.GraphModule, stage: int, stage_of: dict, inputs: list
         graph.output(fx.node.map_arg(final.args[0], lambda n: env[n]))
     else:
         graph.output(tuple(env[n] for n in outputs))
-    return fx.GraphModule(flat, graph, f"Stage{stage}")
+    stage_module = fx.GraphModule(flat, graph, f"Stage{stage}")
+    for path in _subgraph_targets(flat, graph):  # layers that only a subgraph module calls
+        _attach(stage_module, path, _lookup(flat, path))
+    return stage_module
+
+
+def _subgraph_targets(flat: fx.GraphModule, graph: fx.Graph) -> set[str]:
+    paths = set()
+    for node in graph.nodes:
+        module = flat.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(module, SubgraphModule):
+            prefix = node.target.rpartition(".")[0]
+            paths |= {f"{prefix}.{t}" if prefix else t for t in module.targets() if t != "training"}
+    return paths
+
+
+def _lookup(root: nn.Module, path: str) -> Any:
+    owner, _, name = path.rpartition(".")
+    return getattr(root.get_submodule(owner) if owner else root, name)
+
+
+def _attach(root: nn.Module, path: str, value: Any) -> None:
+    *parents, name = path.split(".")
+    module = root
+    for part in parents:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if not hasattr(module, name):
+        setattr(module, name, value)
 
 
 def _tied(stages: list[fx.GraphModule]) -> dict[str, list[int]]:
     owners: dict[int, tuple[str, list[int]]] = {}
     for i, stage in enumerate(stages):
         for name, p in stage.named_parameters():
-            first, used = owners.setdefault(id(p), (name, []))
+            _, used = owners.setdefault(id(p), (name, []))
             if i not in used:
                 used.append(i)
     return {name: used for name, used in owners.values() if len(used) > 1}
@@ -142,4 +176,9 @@ def partition(sch: Schedule) -> PipelineStages:
         outputs = boundaries[k] if k < len(cut_paths) else None
         stages.append(_stage_module(flat, k, stage_of, inputs, outputs))
     crossing = [[n.name for n in b] for b in boundaries]
-    return PipelineStages(stages, StagePlan(cut_paths, crossing, _tied(stages)))
+    for hook in sch.mod._forward_pre_hooks.values():  # stage 0 takes the model's inputs: same guard
+        if isinstance(hook, CallGuard):
+            stages[0].register_forward_pre_hook(hook, with_kwargs=True)
+    pipeline = PipelineStages(stages, StagePlan(cut_paths, crossing, _tied(stages)))
+    pipeline.train(sch.mod.training)
+    return pipeline

@@ -1,5 +1,7 @@
 """cut_pipeline_stage + the partitioner: stage modules whose chain equals the whole model."""
 
+import copy
+
 import pytest
 import torch
 import transformers
@@ -32,9 +34,9 @@ def test_stages_chain_to_the_whole_model(family, stages):
         sch[f"{layers}.{i}"].cut_pipeline_stage()
     pipeline = ms.build(sch)
     assert isinstance(pipeline, PipelineStages) and len(pipeline.stages) == stages
-    assert torch.equal(pipeline(input_ids=IDS).logits, expected)
+    assert torch.equal(pipeline(input_ids=IDS, **constants).logits, expected)
     # Each stage runs on what the previous one hands over, and nothing else.
-    values = pipeline.stages[0](input_ids=IDS)
+    values = pipeline.stages[0](input_ids=IDS, **constants)
     for k, stage in enumerate(pipeline.stages[1:]):
         assert len(values) == len(pipeline.plan.crossing[k])
         values = stage(*values)
@@ -55,3 +57,23 @@ def test_cut_errors():
     sch["transformer.h.2"].cut_pipeline_stage()
     with pytest.raises(ms.SchedulingError, match="already applied"):
         sch["transformer.h.2"].cut_pipeline_stage()
+
+
+def test_stages_keep_dropout_mode_and_layers_used_by_checkpointed_parts():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(tiny_gpt2_config(n_layer=4, resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2))
+    reference = copy.deepcopy(model).train()
+    sch = ms.create_schedule(model)
+    sch.trace(example_inputs={"input_ids": IDS}, concrete_args={"use_cache": False})
+    sch["transformer"].checkpoint(subgraph=sch["transformer"].find("^ln_f$")[0])  # a weight used only inside
+    sch["transformer.h.2"].cut_pipeline_stage()
+    pipeline = ms.build(sch)
+    params = {id(p) for stage in pipeline.stages for p in stage.parameters()}
+    assert params == {id(p) for p in sch.mod.parameters()}  # ln_f's weights too, though only the part calls them
+    for mode in ("train", "eval"):
+        pipeline.train(mode == "train")
+        reference.train(mode == "train")
+        torch.manual_seed(5)
+        expected = reference(IDS, use_cache=False).logits
+        torch.manual_seed(5)
+        assert torch.equal(pipeline(input_ids=IDS, use_cache=False).logits, expected), mode

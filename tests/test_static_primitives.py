@@ -33,7 +33,8 @@ class Chains(nn.Module):
         a = F.relu(x + y)
         b = self.act(y + x)  # module form, operands swapped
         c = self.gelu(a) + F.relu(a)  # diamond: a -> gelu, relu -> add
-        return self.q(c) + self.k(c) * self.v(c), b
+        s = x * y  # a tree: one value, two consumers, two outputs
+        return self.q(c) + self.k(c) * self.v(c), b, torch.tanh(s), torch.sigmoid(s), x - 1.0
 
 
 X, Y = torch.randn(3, 4), torch.randn(3, 4)
@@ -62,12 +63,39 @@ def test_tree_and_diamond_matches():
     assert [n.name for n in match.nodes] == ["gelu", "relu_1", "add_2"]
     assert match.inputs[0].name == "relu"
 
-    def tree(a, b):  # two outputs sharing an input
+    def tree(a, b):
+        s = a * b
+        return torch.tanh(s), torch.sigmoid(s)
+
+    (match,) = sch.find(tree)
+    assert [n.name for n in match.nodes] == ["mul", "tanh", "sigmoid"] and len(match.outputs) == 2
+
+    def not_there(a, b):
         s = a + b
         return F.relu(s), s * 2
 
-    assert sch.find(tree) == []  # no "s * 2" in the graph: the whole pattern must match
-    assert len(sch.find(lambda a, b: (F.relu(a + b), a))) == 2
+    assert sch.find(not_there) == []  # no "s * 2" in the graph: the whole pattern must match
+
+
+def test_constants_must_match():
+    sch = traced(Chains(), X, Y)
+    assert len(sch.find(lambda a: a - 1.0)) == 1
+    assert sch.find(lambda a: 1.0 - a) == []  # operand order of "-" matters
+    assert sch.find(lambda a: a - 2.0) == []
+
+
+class AttentionLike(nn.Module):
+    def forward(self, x):
+        p = F.softmax(x, dim=-1)
+        return F.dropout(p, p=0.1, training=self.training) + x
+
+
+def test_functional_dropout_and_softmax_match_with_their_arguments():
+    sch = traced(AttentionLike(), X)  # the training flag becomes a runtime switch: still matched
+    assert len(sch.find(lambda a, r: F.dropout(a, p=0.1) + r)) == 1
+    assert sch.find(lambda a, r: F.dropout(a, p=0.2) + r) == []
+    assert len(sch.find(lambda a: F.softmax(a, dim=-1))) == 1
+    assert sch.find(lambda a: F.softmax(a, dim=0)) == []
 
 
 def test_regex_and_horizontal_matches():
@@ -99,6 +127,16 @@ def test_vertical_replace_with_a_function_and_a_module_moving_hooks():
     assert "act" not in sch.child and "add_relu" in sch.child and calls == [1]  # the hook moved
 
 
+def test_horizontal_replace_moves_the_branches_hooks():
+    sch = traced(Chains(), X, Y)
+    seen = []
+    sch["q"].hook("fwd_pre", lambda m, args: seen.append(type(m).__name__))
+    branches = sch.find(r"^[qkv]$")
+    sch.replace(FusedQKV.from_linears(sch["q"].mod, sch["k"].mod, sch["v"].mod), target_ops=branches, name="qkv")
+    sch.mod(X, Y)
+    assert seen == ["FusedQKV"] and set(sch.child) >= {"qkv"} and not {"q", "k", "v"} & set(sch.child)
+
+
 def test_replace_refuses_a_subgraph_used_from_outside():
     sch = traced(Chains(), X, Y)
 
@@ -113,9 +151,10 @@ def test_replace_refuses_a_subgraph_used_from_outside():
         sch.replace(lambda a: a, target_ops=bigger)
 
 
-def test_fused_qkv_on_hf_bert_keeps_pretrained_weights_and_logits():
+def test_fused_qkv_on_hf_bert_keeps_pretrained_weights_and_logits(tmp_path):
     torch.manual_seed(0)
-    model = transformers.BertForMaskedLM(tiny_bert_config()).eval()
+    transformers.BertForMaskedLM(tiny_bert_config()).save_pretrained(tmp_path)
+    model = transformers.BertForMaskedLM.from_pretrained(tmp_path).eval()
     ids = torch.randint(0, 128, (2, 12))
     expected = model(ids).logits
     sch = traced(model, {"input_ids": ids})
@@ -216,3 +255,22 @@ def test_partial_checkpoint_gives_equal_gradients():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
         sch.mod(H.clone().requires_grad_())
     assert torch.Size([2, 8, 128]) in saved and saved.count(torch.Size([2, 8, 128])) < 3  # gelu's are not kept
+
+
+def test_a_later_replace_keeps_layers_a_checkpointed_subgraph_uses():
+    model = Chains()
+    expected = model.eval()(X, Y)
+    sch = traced(copy.deepcopy(model), X, Y)
+    (part,) = sch.find(lambda a: F.gelu(a) + torch.relu(a))
+    sch.checkpoint(subgraph=part)  # calls the "gelu" layer from inside
+    sch.replace(lambda a, b: torch.relu(a + b), target_ops=sch.find(lambda a, b: F.relu(a + b))[1])
+    assert "gelu" in sch.child and "act" not in sch.child
+    assert all(torch.equal(g, e) for g, e in zip(sch.mod(X, Y), expected, strict=True))
+
+
+def test_decompose_refuses_to_drop_a_traced_layers_hooks():
+    sch = ms.create_schedule(gpt2_block())
+    sch.trace(example_inputs={"hidden_states": H}, flatten=True)
+    sch["mlp.c_fc"].hook("fwd_post", lambda m, a, o: None)
+    with pytest.raises(ms.SchedulingError, match="decompose it before tracing"):
+        sch["mlp.c_fc"].decompose()

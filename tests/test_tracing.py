@@ -65,12 +65,12 @@ CASES = {
 }  # fmt: skip
 
 
-def first_tensor(out):
+def tensors(out):
+    """Every tensor of a module's output (tuples, lists, dicts and HF ModelOutputs)."""
     if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, dict):
-        return next(v for v in out.values() if isinstance(v, torch.Tensor))
-    return out[0]
+        return [out]
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else []
+    return [t for v in values for t in tensors(v)]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -84,13 +84,21 @@ def test_traced_levels_equal_the_module_in_train_and_eval(name):
     traced = sch.mod
     assert isinstance(traced, torch.fx.GraphModule)
     for mode in ("train", "eval"):
-        original.train(mode == "train")
-        traced.train(mode == "train")
+        for module in (original, traced):
+            module.train(mode == "train")
+            module.zero_grad(set_to_none=True)
         torch.manual_seed(3)
-        expected = first_tensor(original(**inputs(), **constants))
+        expected = tensors(original(**inputs(), **constants))
         torch.manual_seed(3)
-        got = first_tensor(traced(**inputs(), **constants))
-        assert torch.equal(got, expected), f"{name} differs in {mode} mode"
+        got = tensors(traced(**inputs(), **constants))
+        assert len(got) == len(expected) and all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)), mode
+        sum(t.float().sum() for t in expected if t.requires_grad).backward()
+        sum(t.float().sum() for t in got if t.requires_grad).backward()
+        grads = dict(traced.named_parameters(remove_duplicate=False))
+        for pname, p in original.named_parameters():
+            assert (p.grad is None) == (grads[pname].grad is None), pname
+            # Same ops in the same order; autograd may accumulate a grad from several uses in another order.
+            assert p.grad is None or (grads[pname].grad - p.grad).abs().max() <= 1e-6 * p.grad.abs().max(), pname
 
 
 def test_levels_stay_addressable_and_keep_their_schedules():
@@ -151,7 +159,9 @@ def test_guards_and_errors_name_the_module():
     model = transformers.GPT2LMHeadModel(tiny_gpt2_config()).eval()
     sch = ms.create_schedule(model)
     sch.trace(example_inputs={"input_ids": _ids()}, concrete_args={"use_cache": False})
-    with pytest.raises(TraceError, match=r"traced for input_ids of shape \(2, 16\) and called with \(2, 8\)"):
+    with pytest.raises(
+        TraceError, match=r"traced for input_ids of shape \(2, 16\) \(int64\) and called with shape \(2, 8\)"
+    ):
         sch.mod(torch.zeros(2, 8, dtype=torch.long), use_cache=False)
     with pytest.raises(TraceError, match="traced with use_cache=False baked in and called with use_cache=True"):
         sch.mod(_ids(), use_cache=True)
@@ -172,3 +182,19 @@ def test_trace_refuses_to_lose_primitives():
         sch.trace(example_inputs={"input_ids": _ids()}, concrete_args={"use_cache": False})
     with pytest.raises(ms.SchedulingError, match="needs example_inputs"):
         sch.trace()
+
+
+class Flagged(nn.Module):
+    def forward(s, x, flag=False):  # noqa: N805 - a first parameter not called self
+        return -x if flag else x
+
+
+def test_guard_covers_omitted_constants_and_dtypes():
+    sch = ms.create_schedule(nn.Sequential(Flagged()))
+    sch["0"].trace(example_inputs=torch.ones(2), concrete_args={"flag": True})
+    traced = sch["0"].mod
+    assert torch.equal(traced(torch.ones(2), flag=True), -torch.ones(2))
+    with pytest.raises(TraceError, match=r"traced with \['flag'\] given"):
+        traced(torch.ones(2))  # the default (False) is not what was traced
+    with pytest.raises(TraceError, match=r"shape \(2,\) \(float32\) and called with shape \(2,\) \(float64\)"):
+        traced(torch.ones(2, dtype=torch.float64), flag=True)

@@ -6,22 +6,19 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch import nn
+
+from megatron_slapo.kernels.subgraph import SubgraphModule
 
 
-class CompiledSubgraph(nn.Module):
+class CompiledSubgraph(SubgraphModule):
     """Runs an extracted subgraph through ``torch.compile(backend=compiler)``, compiled on first use.
 
-    The subgraph calls the layers (and weights) of the module it came from, which keeps them
-    registered under their names: this module adds no parameters, so state dicts and ``.train()``
-    / ``.to()`` work as before. Compilation is cached by
+    See :class:`SubgraphModule` for how it shares its owner's layers. Compilation is cached by
     torch (``TORCHINDUCTOR_CACHE_DIR``), so a restart with the same graph recompiles quickly.
     """
 
     def __init__(self, graph: fx.GraphModule, compiler: str = "inductor") -> None:
-        super().__init__()
-        # Not a registered submodule: its layers belong to (and stay registered in) the module it came from.
-        self.__dict__["graph"] = graph
+        super().__init__(graph)
         self.compiler = compiler
         self.__dict__["compiled"] = None  # unregistered too (torch.compile wraps the graph in a module)
 

@@ -13,11 +13,10 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.fx as fx
-from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from megatron_slapo.graph_edit import external_users, extract, splice
+from megatron_slapo.kernels.subgraph import SubgraphModule
 from megatron_slapo.parallel.random import get_rng_tracker
 from megatron_slapo.pattern import Subgraph
 from megatron_slapo.primitives.forward import add_forward_wrapper
@@ -50,12 +49,8 @@ def checkpointed(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return torch_checkpoint(inner, *args, use_reentrant=False, context_fn=_tracker_contexts, **kwargs)
 
 
-class CheckpointedSubgraph(nn.Module):
+class CheckpointedSubgraph(SubgraphModule):
     """Part of a traced graph, run under activation checkpointing."""
-
-    def __init__(self, graph: fx.GraphModule) -> None:
-        super().__init__()
-        self.__dict__["graph"] = graph  # its layers stay registered where they were (no duplicate weights)
 
     def forward(self, *inputs: Any) -> Any:
         return checkpointed(self.graph, *inputs)
@@ -80,7 +75,9 @@ class CheckpointMixin:
             raise owner._error(f"cannot checkpoint {subgraph}: {', '.join(leaking)} are also used outside it")
         graph = extract(owner.mod, subgraph.nodes, subgraph.inputs, subgraph.outputs, "CheckpointedPart")
         group = [(subgraph.nodes, subgraph.outputs)]
-        splice(
-            owner.mod, group, subgraph.inputs, CheckpointedSubgraph(graph), "checkpointed", callee_runs_replaced=True
-        )
+        callee = CheckpointedSubgraph(graph)
+        try:
+            splice(owner.mod, group, subgraph.inputs, callee, "checkpointed", callee_runs_replaced=True)
+        except ValueError as e:
+            raise owner._error(str(e)) from e
         owner._refresh_children()

@@ -39,14 +39,17 @@ class FuseMixin:
         graph = extract(owner.mod, subgraph.nodes, subgraph.inputs, subgraph.outputs, name)
         callee = CompiledSubgraph(graph, compiler)
         group = [(subgraph.nodes, subgraph.outputs)]
-        splice(owner.mod, group, subgraph.inputs, callee, name, callee_runs_replaced=True)
+        try:
+            splice(owner.mod, group, subgraph.inputs, callee, name, callee_runs_replaced=True)
+        except ValueError as e:
+            raise owner._error(str(e)) from e
         owner._refresh_children()
 
     @primitive
     def decompose(self: Schedule) -> None:
         """Split this Linear / HF Conv1D into a matmul and a separate bias add (to fuse the bias with what follows)."""
         mod = self.mod
-        if not isinstance(mod, (nn.Linear, Conv1D)) or isinstance(mod, (DecomposedLinear, DecomposedConv1D)):
+        if type(mod) not in (nn.Linear, Conv1D):
             raise self._error(f"decompose() applies to nn.Linear or HF Conv1D, not {type(mod).__name__}")
         if getattr(mod, "bias", None) is None:
             raise self._error("decompose() separates the bias add, and this layer has no bias")
@@ -58,6 +61,10 @@ class FuseMixin:
             target = self.path[len(owner.path) :].lstrip(".")
             node = next((n for n in owner.mod.graph.nodes if n.op == "call_module" and n.target == target), None)
         if node is not None:
+            meta = self.metadata
+            if meta.shards or meta.syncs or mod._forward_hooks or mod._forward_pre_hooks or mod.__dict__.get("forward"):
+                raise self._error("decompose() on a traced layer rewrites it as ops and would drop its shards, syncs "
+                                  "and hooks: decompose it before tracing")  # fmt: skip
             _decompose_in_graph(owner.mod, node, mod)
             return
         if isinstance(mod, nn.Linear):

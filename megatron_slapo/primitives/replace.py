@@ -142,7 +142,10 @@ class ReplaceMixin:
             if any(g.inputs != groups[0].inputs for g in groups):
                 raise owner._error("a horizontal replace needs subgraphs that share their inputs (like q, k, v)")
         label = name or (type(callee).__name__ if isinstance(callee, nn.Module) else callee.__name__).lower()
-        splice(owner.mod, [(g.nodes, g.outputs) for g in groups], groups[0].inputs, callee, label)
+        try:
+            splice(owner.mod, [(g.nodes, g.outputs) for g in groups], groups[0].inputs, callee, label)
+        except ValueError as e:
+            raise owner._error(str(e)) from e
         owner._refresh_children()
 
     @primitive

@@ -75,11 +75,13 @@ class TraceMixin:
 
     def _install_traced(self: Schedule, gm: nn.Module) -> None:
         reuse = {id(node.mod): node for _, node in self.named_schedules() if node is not self}
+        annotations = {path: node.metadata.annotations for path, node in self.named_schedules()}
         move_hooks(self.mod, gm)
         if self.parent is not None:
             setattr(self.parent.mod, self.name, gm)
         self.mod = gm
         self._adopt_children(reuse)
-        for _, node in self.named_schedules():
-            if isinstance(node.mod, torch.fx.GraphModule):
+        for path, node in self.named_schedules():
+            if isinstance(node.mod, torch.fx.GraphModule):  # a new node for a level: keep its tags
                 node.metadata.traced = True
+                node.metadata.annotations = annotations.get(path, {})

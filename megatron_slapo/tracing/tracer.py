@@ -1,31 +1,17 @@
-"""Structure-preserving torch.fx tracing of transformers-5 modules.
+"""The tracer: one ``GraphModule`` per level of the module tree, child levels traced recursively.
 
-transformers 5 removed its fx tracer, and plain ``torch.fx.symbolic_trace`` fails on HF attention
-and decoder blocks (../shared/notes/cpu-feasibility.md §3). Three things make it work:
-
-1. **An explicit signature.** HF forwards are ``(self, *args, **kwargs)`` wrappers; fx needs named
-   inputs. We trace a generated wrapper ``forward(self, hidden_states, ...)`` that calls the module
-   with those tensors plus the constant arguments (``use_cache=False``, ``None`` masks) baked in,
-   which also removes the Python branches on optional inputs.
-2. **Meta tensors for shapes.** ``(*x.shape[:-1], -1, head_dim)`` needs concrete sizes, so tracing
-   propagates meta tensors (torch's ``MetaTracer``), evaluating leaf modules on a meta copy. The
-   graph is therefore specialised to the traced input shapes; a guard refuses other shapes with a
-   clear error instead of computing something wrong.
-3. **One graph per level.** Every level of the module tree becomes its own ``GraphModule``: leaf
-   layers (``nn.Linear``, HF ``Conv1D``, norms, dropout, ...) and child modules stay ``call_module``
-   nodes, so ``sch["h.0.attn"]`` still addresses the attention module after tracing ``h.0``. The
-   call of each child is recorded with its argument shapes, so children can be traced in turn.
-
-HF ``ModelOutput`` return values are rebuilt as such (fx would flatten them into dicts).
+See :mod:`megatron_slapo.tracing` for the approach.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import inspect
+import itertools
 import operator
 import traceback
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +24,7 @@ from transformers import activations as hf_activations
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput
 
-# MetaTracer's torch.where override breaks on HF's torch.where(mask, 0.0, min); torch.where runs on meta natively.
-meta_tracer.manual_meta_overrides.pop(torch.where, None)
+from megatron_slapo.tracing.guard import CallGuard, TraceError, forward_signature
 
 
 def _metas(value: Any) -> Any:
@@ -52,7 +37,26 @@ def _metas(value: Any) -> Any:
 
 
 _original_proxys_to_metas = meta_tracer.proxys_to_metas
-meta_tracer.proxys_to_metas = _metas  # MetaTracer looks it up in its module at call time
+
+
+@contextlib.contextmanager
+def _meta_tracer_fixes() -> Iterator[None]:
+    """Two fixes to torch's MetaTracer, in effect only while we trace:
+
+    - its ``torch.where`` override breaks on HF's ``torch.where(mask, 0.0, min)``; torch.where runs
+      on meta tensors natively, so the override is dropped;
+    - it never computes metas of attribute proxies (``outputs.last_hidden_state``): see :func:`_metas`.
+    """
+    where = meta_tracer.manual_meta_overrides.pop(torch.where, None)
+    previous = meta_tracer.proxys_to_metas  # re-entrant: child levels are traced inside a parent's trace
+    meta_tracer.proxys_to_metas = _metas  # MetaTracer looks it up in its module at call time
+    try:
+        yield
+    finally:
+        meta_tracer.proxys_to_metas = previous
+        if where is not None:
+            meta_tracer.manual_meta_overrides[torch.where] = where
+
 
 _ORIGINAL_MODULE_CALL = nn.Module.__call__
 # Layers that stay one node, besides every module defined in torch.nn (fx's default): HF's Conv1D
@@ -60,10 +64,6 @@ _ORIGINAL_MODULE_CALL = nn.Module.__call__
 LEAF_TYPES: tuple[type[nn.Module], ...] = (Conv1D,) + tuple(
     cls for cls in vars(hf_activations).values() if isinstance(cls, type) and issubclass(cls, nn.Module)
 )
-
-
-class TraceError(RuntimeError):
-    """A module could not be traced; the message names its path and the construct that failed."""
 
 
 @dataclass
@@ -90,10 +90,6 @@ class Call:
         return flat
 
 
-def _signature(module: nn.Module) -> inspect.Signature:
-    return inspect.signature(inspect.unwrap(type(module).forward))
-
-
 def _is_tensor_like(value: Any) -> bool:
     if isinstance(value, (torch.Tensor, fx.Proxy, fx.Node)):
         return True
@@ -102,8 +98,7 @@ def _is_tensor_like(value: Any) -> bool:
 
 def bind_call(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
     """Map a call's positional and keyword arguments onto the module's forward parameter names."""
-    sig = _signature(module)
-    params = [p for name, p in sig.parameters.items() if name != "self"]
+    params = list(forward_signature(module).parameters.values())
     bound: dict[str, Any] = {}
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(args) > len(positional):
@@ -199,7 +194,7 @@ class _Tracer(MetaTracer):
         return is_builtin_leaf(m) or isinstance(m, self.user_leaves) or qualname[len("inner.") :] in self.levels
 
     def trace(self, root: nn.Module, meta_args: dict, concrete_args: dict | None = None) -> fx.Graph:
-        self.meta_root = copy.deepcopy(root).to("meta")
+        self.meta_root = meta_copy(root)
         return super().trace(root, meta_args, concrete_args)
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
@@ -233,6 +228,15 @@ class _Tracer(MetaTracer):
         finally:
             nn.Module.__call__ = patched_call
             self._disable_module_getattr = False
+
+
+def meta_copy(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with meta tensors in place of its weights (no weight memory is copied)."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
 
 
 def _node_of(value: Any) -> Any:
@@ -311,8 +315,8 @@ def trace_level(
     tracer = _Tracer(module, path, flatten, tuple(user_leaves))
     metas = {name: t.to("meta") for name, t in call.flat_inputs()}
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with _meta_tracer_fixes(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module="transformers")  # HF's tracing-time advice
             graph = tracer.trace(wrapper, metas)
     except TraceError:
         raise
@@ -329,13 +333,14 @@ def trace_level(
         child.call.sources = fx.node.map_arg(child.call.sources, lambda n: moved.get(n, n))
     _rebuild_model_output(graph, wrapper.__dict__.get("out_type"))
     gm = fx.GraphModule(_graph_root(module, graph, constants), graph, f"Traced{type(module).__name__}")
+    _keep_parameters(gm, module)
     gm.train(module.training)
     gm.register_forward_pre_hook(CallGuard(path, module, call), with_kwargs=True)
     return Traced(gm, call, tracer.children, _to_meta(wrapper.__dict__.get("out")))
 
 
 def _graph_root(module: nn.Module, graph: fx.Graph, constants: dict[str, Any]) -> dict[str, Any]:
-    """What the GraphModule needs: the submodules and attributes the graph refers to."""
+    """What the GraphModule holds: what the graph refers to (see :func:`_keep_parameters` for the rest)."""
     root: dict[str, Any] = dict(constants)
     for node in graph.nodes:
         if node.op == "call_module":
@@ -344,6 +349,19 @@ def _graph_root(module: nn.Module, graph: fx.Graph, constants: dict[str, Any]) -
             owner, _, name = node.target.rpartition(".")
             root[node.target] = getattr(module.get_submodule(owner) if owner else module, name)
     return root
+
+
+def _keep_parameters(gm: fx.GraphModule, module: nn.Module) -> None:
+    """Parameters the graph does not refer to keep their place too (a tied alias such as BERT's
+    ``cls.predictions.bias`` keeps its state-dict name), wherever their owner is in the GraphModule."""
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owner_path, _, leaf = name.rpartition(".")
+        try:
+            owner = gm.get_submodule(owner_path) if owner_path else gm
+        except AttributeError:
+            continue  # a submodule the graph never calls
+        if leaf not in owner._parameters:
+            owner.register_parameter(leaf, param)
 
 
 def install(traced: Traced, recursive: bool = True) -> fx.GraphModule:
@@ -356,175 +374,7 @@ def install(traced: Traced, recursive: bool = True) -> fx.GraphModule:
         setattr(gm.get_submodule(parent_name) if parent_name else gm, leaf, child.module)
         for node in gm.graph.nodes:
             if node.op == "call_module" and node.target == qualname:
-                node.args = ()
-                node.kwargs = {name: child.call.sources[name] for name in child.call.tensors}
+                node.args = ()  # the guard checks the baked constants and passes the tensors on
+                node.kwargs = {**child.call.constants, **{n: child.call.sources[n] for n in child.call.tensors}}
     gm.recompile()
     return gm
-
-
-def dropout_p_when_training(training: bool, p: float) -> float:
-    """Inserted in traced graphs: attention dropout applies only in training mode."""
-    return p if training else 0.0
-
-
-_SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
-_DROPOUT = (torch.nn.functional.dropout,)
-
-
-def _mode_blind(graph: fx.Graph) -> list[tuple]:
-    """The graph with the dropout probabilities and flags that depend on train/eval mode masked out."""
-    index = {node: i for i, node in enumerate(graph.nodes)}
-    masked = {"dropout_p", "p", "training"}
-
-    def norm(value: Any, key: str | None = None) -> Any:
-        if key in masked:
-            return "*"
-        return fx.node.map_aggregate(value, lambda v: ("node", index[v]) if isinstance(v, fx.Node) else repr(v))
-
-    sig = []
-    for node in graph.nodes:
-        dropout = node.op == "call_function" and node.target in _SDPA + _DROPOUT
-        kwargs = {k: norm(v, k if dropout else None) for k, v in node.kwargs.items()}
-        sig.append((node.op, _target_name(node.target), norm(node.args), kwargs))
-    return sig
-
-
-def _target_name(target: Any) -> str:
-    # Stable across traces (MetaTracer wraps torch.arange & co. anew for every trace).
-    if callable(target) and hasattr(target, "__qualname__"):
-        return f"{getattr(target, '__module__', '')}.{target.__qualname__}"
-    return str(target)
-
-
-def _make_dropout_mode_aware(gm: fx.GraphModule) -> None:
-    """Dropout in functional attention read ``self.training`` at trace time; read it at run time."""
-    graph = gm.graph
-    targets = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA + _DROPOUT]
-    if not targets:
-        return
-    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    with graph.inserting_after(last_placeholder):
-        training = graph.create_node("get_attr", "training")  # a bool attribute: skip get_attr's tensor check
-    for node in targets:
-        with graph.inserting_before(node):
-            if node.target in _SDPA and node.kwargs.get("dropout_p"):
-                p = graph.call_function(dropout_p_when_training, (training, node.kwargs["dropout_p"]))
-                node.kwargs = {**node.kwargs, "dropout_p": p}
-            elif node.target in _DROPOUT and "training" in node.kwargs:
-                node.kwargs = {**node.kwargs, "training": training}
-    gm.recompile()
-
-
-def reconcile_modes(train: Traced, evaluation: Traced) -> None:
-    """Make ``train`` (traced in train mode) right in eval mode too, or mark it train-only.
-
-    Levels whose eval-mode graph equals the train-mode one up to dropout get runtime dropout
-    switches; any other mode-dependent branch leaves the level valid in train mode only (its guard
-    refuses eval calls rather than compute something wrong).
-    """
-    if _mode_blind(train.module.graph) == _mode_blind(evaluation.module.graph):
-        _make_dropout_mode_aware(train.module)
-    else:
-        train.module.meta["slapo_train_only"] = True
-    for name, child in train.children.items():
-        if name in evaluation.children:
-            reconcile_modes(child, evaluation.children[name])
-        else:
-            child.module.meta["slapo_train_only"] = True
-
-
-def trace_module(
-    module: nn.Module,
-    call: Call,
-    path: str = "",
-    flatten: bool = False,
-    user_leaves: tuple[type, ...] = (),
-    recursive: bool = True,
-) -> Traced:
-    """Trace in train mode and in eval mode, reconcile the two, install the child levels."""
-    was_training = module.training
-    try:
-        module.train(True)
-        train = trace_level(module, call, path, flatten, user_leaves)
-        module.train(False)
-        evaluation = trace_level(module, call, path, flatten, user_leaves)
-    finally:
-        module.train(was_training)
-    reconcile_modes(train, evaluation)
-    install(train, recursive)
-    train.module.train(was_training)
-    return train
-
-
-def _shapes(value: Any) -> Any:
-    if isinstance(value, (tuple, list)):
-        return tuple(_shapes(v) for v in value)
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-
-
-def _same(value: Any, expected: Any) -> bool:
-    if value is expected:
-        return True
-    if isinstance(value, torch.Tensor) or isinstance(expected, torch.Tensor) or type(value) is not type(expected):
-        return False
-    try:
-        return bool(value == expected)
-    except Exception:  # noqa: BLE001 - objects without a usable ==
-        return False
-
-
-class CallGuard:
-    """Forward pre-hook of every traced GraphModule: takes calls in the original module's signature,
-    passes the tensor inputs on, and refuses what the graph was not traced for (other input shapes,
-    other values of the baked-in arguments, eval mode for a train-only graph) instead of computing
-    something wrong."""
-
-    def __init__(self, path: str, module: nn.Module, call: Call) -> None:
-        self.path = path or "<root>"
-        sig = _signature(module)
-        self.signature = sig.replace(parameters=[p for n, p in sig.parameters.items() if n != "self"])
-        self.var_kwargs = next((n for n, p in sig.parameters.items() if p.kind == p.VAR_KEYWORD), None)
-        self.shapes = {name: _shapes(value) for name, value in call.tensors.items()}
-        self.constants = dict(call.constants)
-
-    def _error(self, message: str) -> TraceError:
-        return TraceError(f"[{self.path}] {message}")
-
-    def __call__(self, module: fx.GraphModule, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if module.meta.get("slapo_train_only") and not module.training:
-            raise self._error(
-                "its traced graph depends on train/eval mode beyond dropout and was traced in train mode; "
-                "call it in train mode, or keep this module a leaf when tracing"
-            )
-        try:
-            bound = self.signature.bind(*args, **kwargs).arguments
-        except TypeError as e:
-            raise self._error(f"called with arguments its traced graph does not take: {e}") from e
-        given = {**{k: v for k, v in bound.items() if k != self.var_kwargs}, **bound.get(self.var_kwargs, {})}
-        inputs = {}
-        for name, value in given.items():
-            if name in self.shapes:
-                if _shapes(value) != self.shapes[name]:
-                    raise self._error(
-                        f"was traced for {name} of shape {self.shapes[name]} and called with {_shapes(value)}; "
-                        "trace again with example inputs of this shape"
-                    )
-                inputs[name] = value
-                continue
-            parameter = self.signature.parameters.get(name)
-            expected = self.constants.get(name, parameter.default if parameter is not None else None)
-            if expected is inspect.Parameter.empty or not _same(value, expected):
-                raise self._error(
-                    f"was traced with {name}={expected!r} baked in and called with {name}={_short(value)}; trace "
-                    f"with it as an example input (tensors) or in concrete_args (constants)"
-                )
-        missing = set(self.shapes) - set(inputs)
-        if missing:
-            raise self._error(f"traced inputs {sorted(missing)} were not given")
-        return (), inputs
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return repr(value)[:60]
