@@ -1,5 +1,7 @@
 """Megatron-style arguments: defaults, the embedded default, and contradictions caught up front."""
 
+import json
+
 import pytest
 
 from megatron_slapo.errors import ConfigError
@@ -44,6 +46,7 @@ def test_megatron_names_and_derived_values():
         (["--finetune"], 1, "--finetune needs --load"),
         (["--seq-length", "64", "--max-position-embeddings", "32"], 1, "exceeds --max-position-embeddings"),
         (["--lr-warmup-iters", "10"], 1, "warmup .* must end before the decay"),
+        (["--zero-stage", "3"], 2, "--zero-stage and --deepspeed-config need --engine deepspeed, not ddp"),
     ],
 )
 def test_contradictions_are_one_clear_error(extra, world, message):
@@ -69,3 +72,37 @@ def test_schedule_list(capsys):
     assert pretrain("gpt", ["--schedule", "list"]) is None
     out = capsys.readouterr().out
     assert "gpt_tp" in out and "bert_tp" in out and "llama_tp" in out
+
+
+def _deepspeed_config(tmp_path, config, *extra):
+    from megatron_slapo.engines.deepspeed_zero import deepspeed_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    args = args_for("--engine", "deepspeed", "--deepspeed-config", str(path), "--global-batch-size", "8", *extra)
+    return deepspeed_config(args, dp_size=2)
+
+
+def test_deepspeed_config_is_completed_from_the_flags(tmp_path):
+    config = _deepspeed_config(tmp_path, {"zero_optimization": {"stage": 2, "overlap_comm": True}})
+    assert config["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+    assert (config["train_batch_size"], config["train_micro_batch_size_per_gpu"]) == (8, 2)
+    assert config["gradient_accumulation_steps"] == 2 and config["gradient_clipping"] == 1.0
+    assert _deepspeed_config(tmp_path, {}, "--clip-grad", "0")["gradient_clipping"] == 0.0
+    assert _deepspeed_config(tmp_path, {}, "--zero-stage", "3")["zero_optimization"]["stage"] == 3
+    assert _deepspeed_config(tmp_path, {})["zero_optimization"]["stage"] == 1
+
+
+@pytest.mark.parametrize(
+    "config, extra, message",
+    [
+        ("{not json", [], "cannot read --deepspeed-config"),
+        ({"optimizer": {"type": "Adam"}}, [], "the optimizer comes from the Megatron flags"),
+        ({"zero_optimization": {"stage": 2}}, ["--zero-stage", "3"], "--zero-stage 3 contradicts stage 2"),
+        ({"train_micro_batch_size_per_gpu": 4}, [], "train_micro_batch_size_per_gpu=4, but the batch flags give 2"),
+        ({"bf16": {"enabled": True}}, [], "bf16 enabled=True; pass --bf16"),
+    ],
+)
+def test_deepspeed_config_contradictions(tmp_path, config, extra, message):
+    with pytest.raises(ConfigError, match=message):
+        _deepspeed_config(tmp_path, config, *extra)

@@ -128,7 +128,7 @@ class _WeightsOnly:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
 
-    def state_dict(self, include_optimizer: bool = True) -> dict:
+    def state_dict(self, directory: str, include_optimizer: bool = True) -> dict:
         return {"model": self.model.state_dict()}
 
 

@@ -1,7 +1,9 @@
 """Engines behind one seam (:mod:`.base`); ``--engine`` picks one from :data:`ENGINES`."""
 
 from megatron_slapo.engines.ddp import DDPEngine
+from megatron_slapo.engines.deepspeed_zero import DeepSpeedEngine
+from megatron_slapo.engines.fsdp import FSDPEngine
 
-ENGINES = {"ddp": DDPEngine}
+ENGINES = {"ddp": DDPEngine, "deepspeed": DeepSpeedEngine, "fsdp": FSDPEngine}
 
-__all__ = ["ENGINES", "DDPEngine"]
+__all__ = ["ENGINES", "DDPEngine", "DeepSpeedEngine", "FSDPEngine"]

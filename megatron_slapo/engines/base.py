@@ -2,6 +2,10 @@
 
 The trainer hands an engine the built model and the arguments, then only ever asks it to run one
 training step over a list of micro-batches, to evaluate, and for its state (for checkpoints).
+Checkpoint state comes in two parts: ``state_dict`` returns what goes into Megatron's
+``model_optim_rng.pt`` (always the full, TP-local model weights, so that export and resharding
+work for every engine), and an engine whose optimizer is partitioned across ranks (ZeRO, FSDP)
+additionally writes its own files into the iteration's directory.
 Everything engine-specific (wrapping, gradient reduction, optimizer, LR schedule, loss scaling)
 stays behind this interface, so the trainer is the same for every engine.
 """
@@ -14,7 +18,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from megatron_slapo.parallel.collectives import Group, group_size
 
 Batch = dict[str, torch.Tensor]
 # loss_fn(model, micro_batch) -> (scalar loss to differentiate, metrics to log)
@@ -50,6 +57,38 @@ class Engine(Protocol):
 
     def eval_step(self, microbatches: list[Batch], loss_fn: LossFn) -> dict[str, float]: ...
 
-    def state_dict(self, include_optimizer: bool = True) -> dict[str, Any]: ...
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank holds for ``params``, ``grads`` and ``optimizer`` state (logged at start)."""
+        ...
 
-    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None: ...
+    def state_dict(self, directory: str, include_optimizer: bool = True) -> dict[str, Any]:
+        """Collective: every rank calls it. ``directory`` is the (temporary) iteration directory."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any], directory: str, load_optimizer: bool = True) -> None: ...
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def accumulate(totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]) -> None:
+    """Add one micro-batch's metrics into ``totals`` (detached)."""
+    for k, v in metrics.items():
+        totals[k] = totals.get(k, 0) + v.detach()
+
+
+def average_metrics(totals: dict[str, torch.Tensor], count: int, dp_group: Group) -> dict[str, float]:
+    """Per-micro-batch means of ``totals``, averaged over the data-parallel ranks (one all-reduce)."""
+    names = sorted(totals)
+    if not names:
+        return {}
+    values = torch.stack([totals[n].detach().float() for n in names]) / count
+    if group_size(dp_group) > 1:
+        dist.all_reduce(values, group=dp_group)
+        values /= group_size(dp_group)
+    return dict(zip(names, values.tolist(), strict=True))
+
+
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -13,11 +13,10 @@ import math
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from megatron_slapo.engines.base import Batch, LossFn, StepResult
+from megatron_slapo.engines.base import Batch, LossFn, StepResult, accumulate, average_metrics, tensor_bytes, to_device
 from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parallel_grads, group_size
 from megatron_slapo.training.loss_scaler import LossScaler
 from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, clip_grads, global_norm
@@ -44,16 +43,10 @@ class DDPEngine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def _to_device(self, batch: Batch) -> Batch:
-        return {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-    def _average(self, totals: dict[str, torch.Tensor], count: int) -> dict[str, float]:
-        names = sorted(totals)
-        values = torch.stack([totals[n].detach().float() for n in names]) / count
-        if group_size(self.dp_group) > 1:
-            dist.all_reduce(values, group=self.dp_group)
-            values /= group_size(self.dp_group)
-        return dict(zip(names, values.tolist(), strict=True))
+    def memory_report(self) -> dict[str, int]:
+        """Replicated: full (TP-local) fp32 weights and gradients; AdamW keeps two moments per weight."""
+        params = tensor_bytes(self.params)
+        return {"params": params, "grads": params, "optimizer": 2 * params}
 
     def train_step(self, microbatches: list[Batch], loss_fn: LossFn) -> StepResult:
         self.wrapped.train()
@@ -65,10 +58,9 @@ class DDPEngine:
             sync = contextlib.nullcontext() if last or self.wrapped is self.model else self.wrapped.no_sync()
             with sync:
                 with self._autocast():
-                    loss, metrics = loss_fn(self.wrapped, self._to_device(batch))
+                    loss, metrics = loss_fn(self.wrapped, to_device(batch, self.device))
                 (loss * (scale / n)).backward()
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0) + v.detach()
+            accumulate(totals, metrics)
         allreduce_sequence_parallel_grads(self.model, self.tp_group)
         if scale != 1.0:
             for p in self.params:
@@ -84,7 +76,7 @@ class DDPEngine:
             self.scaler.update(found_inf=not finite)
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(
-            metrics=self._average(totals, n),
+            metrics=average_metrics(totals, n, self.dp_group),
             grad_norm=norm if finite else None,
             loss_scale=scale,
             skipped=not finite,
@@ -99,12 +91,11 @@ class DDPEngine:
         totals: dict[str, torch.Tensor] = {}
         for batch in microbatches:
             with self._autocast():
-                _, metrics = loss_fn(self.model, self._to_device(batch))
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0) + v.detach()
-        return self._average(totals, len(microbatches))
+                _, metrics = loss_fn(self.model, to_device(batch, self.device))
+            accumulate(totals, metrics)
+        return average_metrics(totals, len(microbatches), self.dp_group)
 
-    def state_dict(self, include_optimizer: bool = True) -> dict[str, Any]:
+    def state_dict(self, directory: str, include_optimizer: bool = True) -> dict[str, Any]:
         state: dict[str, Any] = {"model": self.model.state_dict()}
         if include_optimizer:
             state["optimizer"] = self.optimizer.state_dict()
@@ -113,7 +104,7 @@ class DDPEngine:
                 state["grad_scaler"] = self.scaler.state_dict()
         return state
 
-    def load_state_dict(self, state: dict[str, Any], load_optimizer: bool = True) -> None:
+    def load_state_dict(self, state: dict[str, Any], directory: str, load_optimizer: bool = True) -> None:
         self.model.load_state_dict(state["model"])
         if load_optimizer and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])

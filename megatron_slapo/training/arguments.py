@@ -54,6 +54,8 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--engine", choices=sorted(ENGINES), default="ddp")
+    g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="--engine deepspeed (default 1)")
+    g.add_argument("--deepspeed-config", metavar="JSON", help="--engine deepspeed: extra DeepSpeed settings")
     # Megatron flags whose features are not available yet: accepted, then refused with a reason.
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
@@ -179,6 +181,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
     if world_size % (tp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
+    if args.engine != "deepspeed" and (args.zero_stage is not None or args.deepspeed_config):
+        raise ConfigError(f"--zero-stage and --deepspeed-config need --engine deepspeed, not {args.engine}")
     if pp > 1 or args.num_layers_per_virtual_pipeline_stage:
         raise ConfigError(f"pipeline parallelism needs a pipeline engine; --engine {args.engine} has none")
     for flag in ("use_distributed_optimizer", "overlap_grad_reduce"):

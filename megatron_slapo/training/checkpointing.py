@@ -5,7 +5,9 @@ Layout (Megatron-LM's legacy format)::
     SAVE/latest_checkpointed_iteration.txt
     SAVE/iter_0000100/mp_rank_00/model_optim_rng.pt        (one file per TP rank; _PPP with PP)
 
-Each file holds this TP rank's model shards, the optimizer, LR scheduler and loss-scaler state, the
+Each file holds this TP rank's model shards (full, whatever the engine), the optimizer, LR scheduler
+and loss-scaler state (engines that partition the optimizer across data-parallel ranks, ZeRO and
+FSDP, write that into their own files in the iteration directory and keep a pointer here), the
 RNG states of every data-parallel rank, the iteration and the consumed samples (the data
 position), plus what export needs: each tensor's shard layout, the HF config and the vocabulary
 padding. An iteration is written into ``iter_XXXXXXX.tmp`` and renamed when every rank is done;
@@ -132,10 +134,11 @@ def save(
     _barrier()
     rng = [None] * dist.get_world_size(layout.dp_group)
     dist.all_gather_object(rng, _rng_state(), group=layout.dp_group)
-    state = engine.state_dict(include_optimizer=not args.no_save_optim)
+    state = engine.state_dict(tmp, include_optimizer=not args.no_save_optim)
     if layout.dp_rank == 0:
         state.update(
             checkpoint_version=VERSION, iteration=resume.iteration, args=json.dumps(vars(args), default=str),
+            engine=getattr(args, "engine", None),
             rng_state=rng, consumed_train_samples=resume.consumed_train_samples,
             consumed_valid_samples=resume.consumed_valid_samples, slapo=metadata,
         )  # fmt: skip
@@ -212,8 +215,14 @@ def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str) ->
     if load_optimizer and "optimizer" not in state and state.get("iteration", 0) > 0 and dist.get_rank() == 0:
         print(f" > WARNING: {path} has no optimizer state (saved with --no-save-optim): the optimizer and the LR "
               "schedule start afresh", flush=True)  # fmt: skip
+    saved_engine = state.get("engine") or "ddp"
+    if load_optimizer and "optimizer" in state and saved_engine != args.engine:
+        raise CheckpointError(
+            f"{path} was written by --engine {saved_engine}, whose optimizer state --engine {args.engine} cannot "
+            "read; pass --no-load-optim (or --finetune) to load only the weights"
+        )
     try:
-        engine.load_state_dict(state, load_optimizer=load_optimizer)
+        engine.load_state_dict(state, os.path.dirname(os.path.dirname(path)), load_optimizer=load_optimizer)
     except RuntimeError as e:  # shape or key mismatch
         raise CheckpointError(f"{path} does not fit this model: {str(e)[:300]}") from e
     if args.finetune or state.get("iteration", 0) == 0:

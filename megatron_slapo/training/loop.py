@@ -33,7 +33,7 @@ from megatron_slapo.training.arguments import parse_args, validate_args
 from megatron_slapo.training.checkpointing import Layout, Resume
 from megatron_slapo.training.flops import device_peak_tflops, flops_per_token
 from megatron_slapo.training.model import build_config, create_model, transformer_layers, vocab_parameter_names
-from megatron_slapo.training.reporting import Reporter
+from megatron_slapo.training.reporting import Reporter, log_engine_memory
 from megatron_slapo.training.tasks import BERTTask, GPTTask
 from schedules import describe, get_schedule
 
@@ -152,7 +152,9 @@ def setup(args: argparse.Namespace) -> Run:
     local = sum(p.numel() for p in model.parameters())
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {local}")
 
+    metadata = checkpointing.export_metadata(model, args, config, metadata_vocab)  # before engines wrap it
     engine = ENGINES[args.engine](model, args, layout.dp_group, tp_group)
+    log_engine_memory(engine.memory_report(), (layout.tp_rank, layout.pp_rank, layout.dp_rank))
     resume = Resume()
     if resume_path:
         resume = checkpointing.load(engine, args, layout, resume_path)
@@ -161,7 +163,6 @@ def setup(args: argparse.Namespace) -> Run:
         print_rank_0(
             f" > WARNING: no checkpoint in {args.load} yet ({checkpointing.LATEST} not found): starting from scratch"
         )
-    metadata = checkpointing.export_metadata(model, args, config, metadata_vocab)
     reporter = Reporter(args, flops * tokens_per_iteration, tokens_per_iteration, device_peak_tflops(args.peak_tflops))
     return Run(args, task, engine, layout, resume, datasets, reporter, metadata)
 

@@ -42,11 +42,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace):
     )  # fmt: skip
 
 
-def global_norm(params: list[nn.Parameter], tp_group: Group, of_grads: bool = True) -> float:
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """What this rank stores of ``t``: an FSDP2 DTensor's shard, a ZeRO-3 parameter's partition, or ``t``."""
+    if hasattr(t, "to_local"):
+        return t.to_local()
+    return t.ds_tensor if hasattr(t, "ds_tensor") else t
+
+
+def global_norm(
+    params: list[nn.Parameter], tp_group: Group, of_grads: bool = True, partition_group: Group = None
+) -> float:
     """The L2 norm of the whole model's gradients (or weights) under tensor parallelism.
 
     A sharded parameter contributes its shard on every TP rank; a replicated one is counted once
-    (on TP rank 0), as in Megatron's ``param_is_not_tensor_parallel_duplicate``.
+    (on TP rank 0), as in Megatron's ``param_is_not_tensor_parallel_duplicate``. When the engine
+    partitions tensors across data-parallel ranks (ZeRO-3, FSDP), ``partition_group`` sums the
+    partitions first.
     """
     first = group_rank(tp_group) == 0
     device = params[0].device if params else torch.device("cpu")
@@ -54,9 +65,10 @@ def global_norm(params: list[nn.Parameter], tp_group: Group, of_grads: bool = Tr
     for p in params:
         t = p.grad if of_grads else p
         if t is not None and (getattr(p, "tensor_model_parallel", False) or first):
-            total += t.detach().float().pow(2).sum()
-    if group_size(tp_group) > 1:
-        dist.all_reduce(total, group=tp_group)
+            total += local_part(t).detach().float().pow(2).sum()
+    for group in (partition_group, tp_group):
+        if group_size(group) > 1:
+            dist.all_reduce(total, group=group)
     return math.sqrt(total.item())
 
 

@@ -41,6 +41,17 @@ def memory_stats() -> dict[str, float]:
     return {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
+def log_engine_memory(report: dict[str, int], coordinates: tuple[int, int, int]) -> None:
+    """Print every rank's parameter, gradient and optimizer bytes (from rank 0, in rank order)."""
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, (coordinates, report))
+    if dist.get_rank() == 0:
+        for rank, ((tp, pp, dp), r) in enumerate(rows):
+            mib = {k: v / 2**20 for k, v in r.items()}
+            print(f" > rank {rank} (tensor, pipeline, data) = ({tp}, {pp}, {dp}): parameters {mib['params']:.2f} MiB "
+                  f"| gradients {mib['grads']:.2f} MiB | optimizer {mib['optimizer']:.2f} MiB", flush=True)  # fmt: skip
+
+
 class Reporter:
     """Accumulates a log interval of steps; prints the log line; writes TensorBoard scalars."""
 

@@ -1,8 +1,4 @@
-"""pretrain_gpt.py / pretrain_bert.py end to end on 2 ranks (in-process ``pretrain`` calls).
-
-Losses are read back from the TensorBoard event files the runs write (the last rank writes them)
-and shared with every rank, so that all ranks assert the same thing.
-"""
+"""pretrain_gpt.py / pretrain_bert.py end to end on 2 ranks (in-process ``pretrain`` calls, see runs.py)."""
 
 import json
 import os
@@ -21,19 +17,9 @@ from megatron_slapo.training import checkpointing
 from megatron_slapo.training.loop import pretrain
 from schedules import gpt_tp
 from tests.distributed.conftest import use_layout
+from tests.distributed.runs import TINY, TP2, last_rank_value
 from tests.utils import max_diff, tb_scalars, tb_tags
 from tools import convert_checkpoint, preprocess_data, train_tokenizer
-
-TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-        "--micro-batch-size", "4", "--global-batch-size", "8", "--num-workers", "0"]  # fmt: skip
-TP2 = ["--schedule", "gpt_tp", "--tensor-model-parallel-size", "2"]
-
-
-def last_rank_value(fn):
-    """Run ``fn`` on the last rank (where TensorBoard files and the log line are) and share its result."""
-    box = [fn() if dist.get_rank() == dist.get_world_size() - 1 else None]
-    dist.broadcast_object_list(box, src=dist.get_world_size() - 1)
-    return box[0]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +49,8 @@ def test_embedded_default_run_prints_the_log_line_and_writes_tensorboard(shared_
 RESUME_CASES = {
     "gpt-tp2-fp32": ("gpt", [*TP2]),
     "bert-dp2-fp16": ("bert", ["--initial-loss-scale", "4096", "--fp16"]),  # scaler state, per-DP-rank RNG
+    "gpt-zero3": ("gpt", ["--engine", "deepspeed", "--zero-stage", "3"]),  # ZeRO partitions, via DeepSpeed's files
+    "gpt-fsdp-tp2": ("gpt", ["--engine", "fsdp", *TP2]),  # optimizer shards of DTensors
 }
 
 

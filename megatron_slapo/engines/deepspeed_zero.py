@@ -1,0 +1,261 @@
+"""ZeRO data parallelism (stages 0-3) with DeepSpeed, under the scheduled model's tensor parallelism.
+
+DeepSpeed learns the layout from an ``mpu`` object (:class:`_MPU`): ZeRO partitions optimizer
+state, gradients (stage 2) and weights (stage 3) across the data-parallel group only, and gradient
+clipping counts each tensor-parallel shard once. The optimizer is our AdamW (torch's, so nothing is
+JIT-compiled) handed to DeepSpeed as a client optimizer, and the LR follows megatron-core's
+``OptimizerParamScheduler`` exactly as with ``--engine ddp``: the same flags give the same run.
+
+Checkpoints: DeepSpeed's own files (ZeRO partitions, one per data-parallel rank) go into
+``iter_XXXXXXX/deepspeed/``; ``model_optim_rng.pt`` still holds the full fp32 weights of the TP rank
+(gathered from the ZeRO partitions), so ``tools/convert_checkpoint.py`` and ``--finetune`` work
+whatever engine wrote the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron_slapo.engines.base import Batch, LossFn, StepResult, accumulate, average_metrics, tensor_bytes, to_device
+from megatron_slapo.errors import CheckpointError, ConfigError
+from megatron_slapo.parallel.collectives import Group, group_rank, group_size
+from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, global_norm, local_part
+
+TAG = "deepspeed"  # the sub-directory of an iteration that holds DeepSpeed's files
+# Keys that Megatron flags own; a --deepspeed-config giving them differently is refused.
+_OWNED = {"optimizer": "--lr, --adam-*, --weight-decay", "scheduler": "--lr-decay-style, --lr-warmup-*"}
+
+
+class _MPU:
+    """DeepSpeed's view of model parallelism: "model parallel" is our tensor parallelism."""
+
+    def __init__(self, dp_group: Group, tp_group: Group) -> None:
+        self.dp_group, self.tp_group = dp_group, tp_group
+
+    def get_model_parallel_rank(self) -> int:
+        return group_rank(self.tp_group)
+
+    def get_model_parallel_world_size(self) -> int:
+        return group_size(self.tp_group)
+
+    def get_model_parallel_group(self) -> Group:
+        return self.tp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return group_rank(self.dp_group)
+
+    def get_data_parallel_world_size(self) -> int:
+        return group_size(self.dp_group)
+
+    def get_data_parallel_group(self) -> Group:
+        return self.dp_group
+
+
+def _import_deepspeed() -> Any:
+    """Import DeepSpeed without its shared-memory collective op, which would JIT-compile on CPU (~30 s)."""
+    import deepspeed
+
+    # DeepSpeed 0.19 calls collectives that torch 2.13 renamed; the warning is not actionable here.
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
+    if not torch.cuda.is_available():
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    return deepspeed
+
+
+def deepspeed_config(args: argparse.Namespace, dp_size: int) -> dict[str, Any]:
+    """The DeepSpeed config: ``--deepspeed-config`` (if any) completed from, and checked against, the flags."""
+    config: dict[str, Any] = {}
+    if args.deepspeed_config:
+        try:
+            with open(args.deepspeed_config) as f:
+                config = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read --deepspeed-config {args.deepspeed_config}: {e}") from e
+        if not isinstance(config, dict):
+            raise ConfigError(f"--deepspeed-config {args.deepspeed_config} must hold a JSON object")
+    for key, flags in _OWNED.items():
+        if key in config:
+            raise ConfigError(f"--deepspeed-config sets {key!r}; the {key} comes from the Megatron flags ({flags})")
+    accumulation = args.global_batch_size // (args.micro_batch_size * dp_size)
+    wanted = {
+        "train_batch_size": args.global_batch_size,
+        "train_micro_batch_size_per_gpu": args.micro_batch_size,
+        "gradient_accumulation_steps": accumulation,
+    }
+    zero = config.setdefault("zero_optimization", {})
+    stage = zero.get("stage")
+    if args.zero_stage is not None and stage not in (None, args.zero_stage):
+        raise ConfigError(f"--zero-stage {args.zero_stage} contradicts stage {stage} in --deepspeed-config")
+    zero["stage"] = args.zero_stage if args.zero_stage is not None else stage if stage is not None else 1
+    for key, value in wanted.items():
+        if config.get(key, value) != value:
+            raise ConfigError(f"--deepspeed-config has {key}={config[key]}, but the batch flags give {value}")
+        config[key] = value
+    # Explicit, always: DeepSpeed 0.19 would otherwise clip to norm 1.0 whatever --clip-grad says.
+    config.setdefault("gradient_clipping", args.clip_grad)
+    for precision, flag in (("fp16", args.fp16), ("bf16", args.bf16)):
+        enabled = config.get(precision, {}).get("enabled", False)
+        if enabled != flag:
+            raise ConfigError(f"--deepspeed-config has {precision} enabled={enabled}; pass --{precision} to match")
+    if args.fp16:
+        fp16 = config["fp16"]
+        fp16.setdefault("loss_scale", args.loss_scale or 0)  # 0: dynamic
+        fp16.setdefault("initial_scale_power", int(math.log2(args.initial_loss_scale)))
+    config.setdefault("steps_per_print", 2**31)  # the trainer prints its own log line
+    return config
+
+
+def _check_no_sequence_parallel(model: nn.Module) -> None:
+    if any(getattr(p, "sequence_parallel", False) for p in model.parameters()):
+        raise ConfigError("--engine deepspeed cannot reduce sequence-parallel gradients; use --engine ddp")
+
+
+class DeepSpeedEngine:
+    """``deepspeed.initialize`` around the built model; one ``train_step`` is one optimizer step."""
+
+    def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
+        _check_no_sequence_parallel(model)
+        deepspeed = _import_deepspeed()
+        self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
+        self.config = deepspeed_config(args, group_size(dp_group))
+        self.stage = self.config["zero_optimization"]["stage"]
+        self.ds, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=build_optimizer(model, args), config=self.config, mpu=_MPU(dp_group, tp_group)
+        )
+        self.scheduler = build_scheduler(self.optimizer, args)
+        self.device = self.ds.device
+        self._gathered = deepspeed.zero.GatheredParameters
+        from deepspeed.utils import safe_get_full_fp32_param, safe_set_full_fp32_param
+
+        self._get_fp32, self._set_fp32 = safe_get_full_fp32_param, safe_set_full_fp32_param
+
+    # ----------------------------------------------------------------------------------------------
+    def _master_numel(self) -> int:
+        """Elements of the fp32 master weights this rank's optimizer updates."""
+        groups = getattr(self.optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+        groups = groups if groups is not None else getattr(self.optimizer, "fp32_partitioned_groups_flat", None)
+        if groups is None:  # stage 0: the optimizer works on the parameters themselves
+            return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        return sum(g.numel() for g in groups)
+
+    def memory_report(self) -> dict[str, int]:
+        """Weights: this rank's ZeRO-3 partition (or all); gradients: a partition from stage 2; the
+        optimizer: fp32 master weights (stages >= 1) and AdamW's two moments over its partition."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        master = self._master_numel() * 4
+        grads = master if self.stage >= 2 else tensor_bytes(params)
+        optimizer = 3 * master if self.stage >= 1 else 2 * master
+        return {"params": tensor_bytes([local_part(p) for p in params]), "grads": grads, "optimizer": optimizer}
+
+    def train_step(self, microbatches: list[Batch], loss_fn: LossFn) -> StepResult:
+        steps = self.config["gradient_accumulation_steps"]
+        if len(microbatches) != steps:
+            raise ValueError(f"DeepSpeed was configured for {steps} micro-batches per step, got {len(microbatches)}")
+        self.ds.train()
+        totals: dict[str, torch.Tensor] = {}
+        scale = float(getattr(self.optimizer, "cur_scale", 1.0))
+        for batch in microbatches:
+            loss, metrics = loss_fn(self.ds, to_device(batch, self.device))
+            self.ds.backward(loss)  # scales by 1 / accumulation steps; reduces at the last one
+            self.ds.step()  # the optimizer steps (and clips) at the accumulation boundary only
+            accumulate(totals, metrics)
+        applied = self.ds.was_step_applied()
+        norm = self.ds.get_global_grad_norm()
+        norm = float(norm) if norm is not None else math.nan
+        if applied:
+            self.scheduler.step(increment=self.args.global_batch_size)
+        return StepResult(
+            metrics=average_metrics(totals, len(microbatches), self.dp_group),
+            grad_norm=norm if applied else None,
+            loss_scale=scale,
+            skipped=not applied,
+            overflow=not applied and self.args.fp16,
+            learning_rate=self.optimizer.param_groups[0]["lr"],
+            params_norm=global_norm(
+                list(self.model.parameters()),
+                self.tp_group,
+                of_grads=False,
+                partition_group=self.dp_group if self.stage == 3 else None,
+            )
+            if self.args.log_params_norm
+            else None,
+        )
+
+    @torch.no_grad()
+    def eval_step(self, microbatches: list[Batch], loss_fn: LossFn) -> dict[str, float]:
+        self.ds.eval()
+        totals: dict[str, torch.Tensor] = {}
+        for batch in microbatches:
+            _, metrics = loss_fn(self.ds, to_device(batch, self.device))
+            accumulate(totals, metrics)
+        return average_metrics(totals, len(microbatches), self.dp_group)
+
+    # ----------------------------------------------------------------------------------------------
+    def _named_params(self) -> dict[int, tuple[nn.Parameter, list[str]]]:
+        """Each parameter once, with all its names (tied weights have several)."""
+        out: dict[int, tuple[nn.Parameter, list[str]]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            out.setdefault(id(p), (p, []))[1].append(name)
+        return out
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The TP rank's whole model on the CPU, weights from the fp32 masters. Collective (stage 3)."""
+        state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}  # buffers: not partitioned
+        for p, names in self._named_params().values():
+            full = self._get_fp32(p)
+            if full is None:  # stage 0 without mixed precision: the weights are the masters
+                with self._gathered([p], enabled=self.stage == 3):
+                    full = p.detach().float()
+            full = full.detach().cpu().clone().view(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+            for name in names:
+                state[name] = full
+        return state
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the weights (and their fp32 masters) from a full state dict, e.g. a --finetune start."""
+        params = [p for p, _ in self._named_params().values()]
+        with self._gathered(params, modifier_rank=0, enabled=self.stage == 3):
+            self.model.load_state_dict(state)  # shapes and keys checked here (RuntimeError)
+        for p, names in self._named_params().values():
+            self._set_fp32(p, state[names[0]].to(self.device, torch.float32))
+
+    def state_dict(self, directory: str, include_optimizer: bool = True) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self.full_state_dict()}
+        if include_optimizer:
+            self.ds.save_checkpoint(directory, tag=TAG, save_latest=False)
+            state["optimizer"] = {
+                "files": TAG,
+                "zero_stage": self.stage,
+                "data_parallel_size": group_size(self.dp_group),
+            }
+            state["opt_param_scheduler"] = self.scheduler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], directory: str, load_optimizer: bool = True) -> None:
+        saved = state.get("optimizer")
+        if not (load_optimizer and saved):
+            self.load_full_state_dict(state["model"])
+            return
+        here = {"zero_stage": self.stage, "data_parallel_size": group_size(self.dp_group)}
+        for key, value in here.items():
+            if saved.get(key) != value:
+                raise CheckpointError(
+                    f"{directory} holds ZeRO state for {key.replace('_', ' ')} {saved.get(key)}, this run has "
+                    f"{value}; pass --no-load-optim to load only the weights"
+                )
+        if not os.path.isdir(os.path.join(directory, saved["files"])):
+            raise CheckpointError(f"{directory}/{saved['files']} (DeepSpeed's ZeRO state) is missing")
+        self.ds.load_checkpoint(
+            directory, tag=saved["files"], load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        self.scheduler.load_state_dict(state["opt_param_scheduler"])

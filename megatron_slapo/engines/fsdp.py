@@ -1,0 +1,197 @@
+"""Fully sharded data parallelism with torch FSDP2 (``fully_shard``), under the schedule's TP.
+
+Each transformer layer is one FSDP unit (its weights are all-gathered just before its forward and
+backward and freed after), the root holds the rest (embeddings, final norm, head). Sharding is
+over the data-parallel group only, so a tensor-parallel schedule keeps its layout: every TP rank
+shards its own slices among its data-parallel peers (a 2-D TP x FSDP layout). ``--bf16``/``--fp16``
+compute in half precision with fp32 sharded master weights and fp32 gradient reduction
+(``MixedPrecisionPolicy``); fp16 adds Megatron's dynamic loss scale.
+
+Checkpoints: ``model_optim_rng.pt`` holds the full (TP-local) weights, gathered; each rank's
+optimizer shard goes into ``iter_XXXXXXX/fsdp/<tp/pp rank>/dp_rank_XXX.pt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from megatron_slapo.engines.base import Batch, LossFn, StepResult, accumulate, average_metrics, tensor_bytes, to_device
+from megatron_slapo.errors import CheckpointError, ConfigError
+from megatron_slapo.parallel.collectives import Group, group_rank, group_size
+from megatron_slapo.training.loss_scaler import LossScaler
+from megatron_slapo.training.model import transformer_layers
+from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, clip_grads, global_norm, local_part
+
+FILES = "fsdp"
+
+
+def _tensor_parallel_names(model: nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+
+
+class FSDPEngine:
+    """FSDP2 over the data-parallel group; AdamW and the LR schedule as with ``--engine ddp``."""
+
+    def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
+        if any(getattr(p, "sequence_parallel", False) for p in model.parameters()):
+            raise ConfigError("--engine fsdp cannot reduce sequence-parallel gradients; use --engine ddp")
+        self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
+        self.device = next(model.parameters()).device
+        tensor_parallel = _tensor_parallel_names(model)  # fully_shard replaces the parameters: keep the tags
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        mesh = DeviceMesh.from_group(dp_group, self.device.type)
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        for path in transformer_layers(model, model.config.num_hidden_layers):
+            fully_shard(model.get_submodule(path), mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        for name, p in model.named_parameters():
+            p.tensor_model_parallel = name in tensor_parallel
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(model, args)
+        self.scheduler = build_scheduler(self.optimizer, args)
+        self.scaler = None
+        if args.fp16:
+            static = args.loss_scale is not None
+            self.scaler = LossScaler(args.loss_scale if static else args.initial_loss_scale, static=static)
+
+    def memory_report(self) -> dict[str, int]:
+        """Weights, gradients (reduce-scattered) and AdamW's two moments: all this rank's shards."""
+        params = tensor_bytes([local_part(p) for p in self.params])
+        return {"params": params, "grads": params, "optimizer": 2 * params}
+
+    def _norm(self, of_grads: bool = True) -> float:
+        return global_norm(self.params, self.tp_group, of_grads=of_grads, partition_group=self.dp_group)
+
+    def train_step(self, microbatches: list[Batch], loss_fn: LossFn) -> StepResult:
+        self.model.train()
+        totals: dict[str, torch.Tensor] = {}
+        n = len(microbatches)
+        scale = self.scaler.scale if self.scaler else 1.0
+        for i, batch in enumerate(microbatches):
+            self.model.set_requires_gradient_sync(i == n - 1)  # reduce-scatter once, after the last one
+            loss, metrics = loss_fn(self.model, to_device(batch, self.device))
+            (loss * (scale / n)).backward()
+            accumulate(totals, metrics)
+        if scale != 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(scale)
+        norm = self._norm()
+        finite = math.isfinite(norm)
+        if finite:
+            clip_grads(self.params, self.args.clip_grad, norm)
+            self.optimizer.step()
+            self.scheduler.step(increment=self.args.global_batch_size)
+        if self.scaler:
+            self.scaler.update(found_inf=not finite)
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(
+            metrics=average_metrics(totals, n, self.dp_group),
+            grad_norm=norm if finite else None,
+            loss_scale=scale,
+            skipped=not finite,
+            overflow=not finite and self.scaler is not None,
+            learning_rate=self.optimizer.param_groups[0]["lr"],
+            params_norm=self._norm(of_grads=False) if self.args.log_params_norm else None,
+        )
+
+    @torch.no_grad()
+    def eval_step(self, microbatches: list[Batch], loss_fn: LossFn) -> dict[str, float]:
+        self.model.eval()
+        totals: dict[str, torch.Tensor] = {}
+        for batch in microbatches:
+            _, metrics = loss_fn(self.model, to_device(batch, self.device))
+            accumulate(totals, metrics)
+        return average_metrics(totals, len(microbatches), self.dp_group)
+
+    # ----------------------------------------------------------------------------------------------
+    def _optimizer_file(self, directory: str) -> str:
+        from megatron.core import parallel_state as ps
+
+        pp = ps.get_pipeline_model_parallel_rank()
+        return os.path.join(directory, FILES, f"tp_{group_rank(self.tp_group):02d}_pp_{pp:03d}",
+                            f"dp_rank_{group_rank(self.dp_group):03d}.pt")  # fmt: skip
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The TP rank's whole model on the CPU (weights all-gathered over the data-parallel group)."""
+        gathered: dict[int, torch.Tensor] = {}
+        state = {}
+        for name, t in self.model.state_dict().items():
+            if isinstance(t, DTensor):
+                if id(t) not in gathered:
+                    gathered[id(t)] = t.full_tensor().cpu()
+                state[name] = gathered[id(t)]
+            else:
+                state[name] = t.detach().cpu().clone()
+        return state
+
+    def state_dict(self, directory: str, include_optimizer: bool = True) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self.full_state_dict()}
+        if include_optimizer:
+            shard = self.optimizer.state_dict()
+            for values in shard["state"].values():
+                for k, v in values.items():
+                    if isinstance(v, DTensor):
+                        values[k] = v.to_local()
+            path = self._optimizer_file(directory)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            torch.save(shard, path)
+            state["optimizer"] = {"files": FILES, "data_parallel_size": group_size(self.dp_group)}
+            state["opt_param_scheduler"] = self.scheduler.state_dict()
+            if self.scaler:
+                state["grad_scaler"] = self.scaler.state_dict()
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any], directory: str, load_optimizer: bool = True) -> None:
+        full = state["model"]
+        own = self.model.state_dict()
+        missing, unexpected = sorted(set(own) - set(full)), sorted(set(full) - set(own))
+        if missing or unexpected:
+            raise RuntimeError(f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        for name, t in own.items():
+            value = full[name]
+            if tuple(value.shape) != tuple(t.shape):
+                raise RuntimeError(f"{name}: the checkpoint has shape {tuple(value.shape)}, the model {tuple(t.shape)}")
+            local_part(t).copy_(local_part(_like(value.to(t.device, t.dtype), t)))
+        saved = state.get("optimizer")
+        if not (load_optimizer and saved):
+            return
+        if saved["data_parallel_size"] != group_size(self.dp_group):
+            raise CheckpointError(
+                f"{directory} holds FSDP optimizer shards for {saved['data_parallel_size']} data-parallel ranks, "
+                f"this run has {group_size(self.dp_group)}; pass --no-load-optim to load only the weights"
+            )
+        path = self._optimizer_file(directory)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} (this rank's optimizer shard) is missing")
+        self.optimizer.load_state_dict(torch.load(path, map_location=self.device, weights_only=True))
+        for p in self.params:  # the moments were saved as local shards: give them their layout back
+            for k, v in self.optimizer.state[p].items():
+                if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() > 0:
+                    self.optimizer.state[p][k] = _like(v, p, local=True)
+        self.scheduler.load_state_dict(state["opt_param_scheduler"])
+        if self.scaler and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
+
+
+def _like(value: torch.Tensor, template: torch.Tensor, local: bool = False) -> torch.Tensor:
+    """``value`` laid out like ``template``: a DTensor from the full tensor (or from this rank's shard)."""
+    if not isinstance(template, DTensor):
+        return value
+    if local:
+        return DTensor.from_local(value, template.device_mesh, template.placements, shape=template.shape,
+                                  stride=template.stride())  # fmt: skip
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(value, template.device_mesh, template.placements, src_data_rank=None)  # local slicing

@@ -1,0 +1,51 @@
+"""Helpers for the tests that run ``pretrain_gpt.py`` / ``pretrain_bert.py`` end to end in-process.
+
+Losses are read back from the TensorBoard event files the runs write (the last rank writes them)
+and shared with every rank, so that all ranks assert the same thing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch.distributed as dist
+
+from megatron_slapo.training.loop import pretrain
+from tests.utils import tb_scalars
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "4", "--global-batch-size", "8", "--num-workers", "0"]  # fmt: skip
+TP2 = ["--schedule", "gpt_tp", "--tensor-model-parallel-size", "2"]
+# Parity runs: no dropout (its masks depend on the layout), a log line and TensorBoard point every step.
+PARITY = [*TINY, "--hidden-dropout", "0", "--attention-dropout", "0", "--train-iters", "10", "--log-interval", "1",
+          "--eval-iters", "0"]  # fmt: skip
+_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def last_rank_value(fn):
+    """Run ``fn`` on the last rank (where TensorBoard files and the log line are) and share its result."""
+    box = [fn() if dist.get_rank() == dist.get_world_size() - 1 else None]
+    dist.broadcast_object_list(box, src=dist.get_world_size() - 1)
+    return box[0]
+
+
+def train_losses(task: str, argv: list[str], tb: str) -> dict[int, float]:
+    """Train in-process on every rank; return ``lm loss`` per iteration."""
+    pretrain(task, [*argv, "--tensorboard-dir", tb])
+    return last_rank_value(lambda: tb_scalars(tb, "lm loss"))
+
+
+def single_process_losses(task: str, argv: list[str], tb: str) -> dict[int, float]:
+    """The same run as one plain process (no torchrun), started by rank 0: the reference layout."""
+    if dist.get_rank() == 0:
+        env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC")}
+        cmd = [sys.executable, os.path.join(ROOT, f"pretrain_{task}.py"), *argv, "--tensorboard-dir", tb]
+        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    dist.barrier()
+    box = [tb_scalars(tb, "lm loss") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
