@@ -39,6 +39,7 @@ class StepResult:
     overflow: bool  # ... because the fp16 loss scale overflowed: routine, not divergence
     learning_rate: float
     params_norm: float | None = None  # with --log-params-norm
+    comm: dict[str, int] | None = None  # with --log-comm: bytes per ``op[group]`` (set by the trainer)
 
     @property
     def loss_finite(self) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from megatron_slapo.engines.base import Batch, LossFn, StepResult, accumulate, average_metrics, tensor_bytes, to_device
@@ -29,6 +30,8 @@ class DDPEngine:
         self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
         self.device = next(model.parameters()).device
         self.wrapped = DistributedDataParallel(model, process_group=dp_group) if group_size(dp_group) > 1 else model
+        if args.log_comm and self.wrapped is not model:  # the C++ reducer bypasses torch.distributed's functions
+            self.wrapped.register_comm_hook(dp_group, default_hooks.allreduce_hook)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(model, args)
         self.scheduler = build_scheduler(self.optimizer, args)

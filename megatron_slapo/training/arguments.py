@@ -137,6 +137,7 @@ def _logging(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--log-params-norm", action="store_true")
+    g.add_argument("--log-comm", action="store_true", help="bytes per collective type and process group, per step")
     g.add_argument("--peak-tflops", type=float, help="device peak for MFU (default: known GPUs; none for CPUs)")
 
 

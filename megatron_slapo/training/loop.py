@@ -28,6 +28,7 @@ from megatron_slapo.data.tokenizers import build_tokenizer
 from megatron_slapo.engines import ENGINES
 from megatron_slapo.engines.base import Engine
 from megatron_slapo.errors import CheckpointError, ConfigError, SchedulingError
+from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.training import checkpointing
 from megatron_slapo.training.arguments import parse_args, validate_args
 from megatron_slapo.training.checkpointing import Layout, Resume
@@ -202,16 +203,32 @@ def train(run: Run) -> Resume:
         valid_loader = data_loader(valid_set, state.consumed_valid_samples, args.micro_batch_size, dp_rank, dp_size,
                                    args.num_workers)  # fmt: skip
         valid_batches = _batches(valid_loader)
-    saved_at = state.iteration if args.load else None
-    nan_streak = 0
     print_rank_0(
         f"> training from iteration {state.iteration} to {args.train_iters} ({n_micro} micro-batches per step)"
     )
     timers = Timers(log_level=0, log_option="minmax")
+    comm = CommLog().install() if args.log_comm else None
+    try:
+        return _loop(run, timers, comm, train_batches, valid_batches, n_micro)
+    finally:
+        if comm:
+            comm.uninstall()
+
+
+def _loop(run: Run, timers: Any, comm: CommLog | None, train_batches: Iterator, valid_batches: Iterator | None,
+          n_micro: int) -> Resume:  # fmt: skip
+    args, layout, state = run.args, run.layout, run.resume
+    saved_at = state.iteration if args.load else None
+    nan_streak = 0
     while state.iteration < args.train_iters:
+        micro = [next(train_batches) for _ in range(n_micro)]
+        if comm:
+            comm.take()  # evaluation and checkpoints are not part of the step
         timers("train-step", log_level=0).start()
-        result = run.engine.train_step([next(train_batches) for _ in range(n_micro)], run.task.loss)
+        result = run.engine.train_step(micro, run.task.loss)
         timers("train-step").stop()
+        if comm:
+            result.comm = comm.take()
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
         seconds = timers("train-step").elapsed(reset=not args.log_timers_to_tensorboard)

@@ -9,7 +9,8 @@ The line keeps Megatron-LM's fields, order and number formats, then adds tokens/
 
 TensorBoard gets Megatron's tags (``lm loss``, ``lm loss vs samples``, ``learning-rate``,
 ``batch-size``, ``iteration-time``, ``throughput``, ``loss-scale``, ``grad-norm``, ``world-size``,
-``lm loss validation`` ...) plus torchtitan's ``throughput(tps)``, ``tflops`` and ``mfu(%)``.
+``lm loss validation`` ...) plus torchtitan's ``throughput(tps)``, ``tflops`` and ``mfu(%)``, and with
+``--log-comm`` the bytes of each collective per step (``comm-bytes/all_reduce[tp]`` ...).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class Reporter:
         self.sums: dict[str, float] = {}
         self.steps = self.counted = self.skipped = self.nans = 0
         self.seconds = 0.0
+        self.comm: dict[str, int] = {}
 
     def print(self, line: str) -> None:
         if self.is_last:
@@ -88,6 +90,8 @@ class Reporter:
         self.steps += 1
         self.seconds += seconds
         self.skipped += int(result.skipped)
+        for key, value in (result.comm or {}).items():
+            self.comm[key] = self.comm.get(key, 0) + value
         self.nans += int(not result.loss_finite)
         if result.loss_finite and not result.skipped:  # Megatron averages the losses of the steps taken
             self.counted += 1
@@ -117,6 +121,8 @@ class Reporter:
         for tag in ("learning-rate", "batch-size", "loss-scale", "grad-norm", "params-norm"):
             if tag in scalars:
                 self.writer.add_scalar(f"{tag} vs samples", scalars[tag], consumed)
+        for key, value in (result.comm or {}).items():
+            self.writer.add_scalar(f"comm-bytes/{key}", value, iteration)
         if self.args.log_memory_to_tensorboard:
             for tag, value in memory_stats().items():
                 self.writer.add_scalar(tag, value, iteration)
@@ -150,6 +156,9 @@ class Reporter:
             f"tokens per second: {tps:.0f}",
             f"MFU: {mfu:.1f}%" if mfu is not None else "MFU: n/a (no peak FLOP/s known for a CPU; see --peak-tflops)",
         ]
+        if self.comm:
+            per_step = ", ".join(f"{k} {v / max(self.steps, 1) / 1e6:.3f}" for k, v in sorted(self.comm.items()))
+            fields.append(f"comm (MB/step): {per_step}")
         self.print(" | ".join(fields) + " |")
 
     def validation(self, iteration: int, consumed: int, metrics: dict[str, float], at_end: bool = False) -> None:

@@ -1,0 +1,51 @@
+"""--log-comm: collective bytes counted per op and group, checked against Megatron's analytic count."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from megatron_slapo.parallel import tensor_parallel_group
+from megatron_slapo.parallel.comm_log import CommLog
+from tests.distributed.conftest import use_layout
+from tests.distributed.runs import TINY, TP2, last_rank_value, train_losses
+from tests.utils import tb_scalars, tb_tags
+
+
+def test_each_collective_counts_once_and_point_to_point_still_works(rank):
+    use_layout(2)
+    originals = dist.all_reduce, dist.isend
+    log = CommLog().install()
+    try:
+        x = torch.ones(10)
+        dist.all_reduce(x, group=tensor_parallel_group())
+        dist.all_gather_into_tensor(torch.empty(20), torch.ones(10))  # deprecated name -> all_gather_single
+        peer = 1 - rank
+        ops = [dist.P2POp(dist.isend, torch.ones(3), peer), dist.P2POp(dist.irecv, torch.empty(3), peer)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        counts = log.take()
+    finally:
+        log.uninstall()
+    assert (dist.all_reduce, dist.isend) == originals
+    assert counts == {"all_reduce[tp]": 40, "all_gather_into_tensor[world]": 80, "isend[world]": 12, "irecv[world]": 12}
+    assert log.take() == {}
+
+
+def test_tp2_gpt2_bytes_per_step_equal_megatrons_count(shared_tmp):
+    """Per micro-batch, tensor parallelism all-reduces b·s·h activations twice per layer forward
+    (attention and MLP outputs) and twice backward (their inputs' gradients), once for the
+    vocabulary-parallel embedding's output and once for the LM head input's gradient; the
+    vocabulary-parallel cross-entropy all-reduces three b·s tensors (max, sum of exponentials, target
+    logit). The optimizer step adds one all-reduce of a scalar (the gradient norm)."""
+    b, s, h, layers, micro = 4, 32, 64, 2, 2  # TINY: global batch 8 = 2 micro-batches of 4 on one DP rank
+    tb = os.path.join(shared_tmp, "tb-comm")
+    cache = os.path.join(shared_tmp, "cache")
+    train_losses("gpt", [*TINY, *TP2, "--train-iters", "3", "--eval-iters", "0", "--log-comm",
+                         "--data-cache-path", cache], tb)  # fmt: skip
+    tags = last_rank_value(lambda: sorted(t for t in tb_tags(tb) if "comm" in t))
+    measured = last_rank_value(lambda: tb_scalars(tb, "comm-bytes/all_reduce[tp]"))
+    fp32 = 4
+    expected = micro * ((4 * layers + 2) * b * s * h + 3 * b * s) * fp32 + fp32
+    assert tags == ["comm-bytes/all_reduce[tp]"]  # no other collective under pure TP
+    assert measured == {1: expected, 2: expected, 3: expected}, (measured, expected)
