@@ -14,7 +14,7 @@ sliced by ``shard``) are never touched.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -39,6 +39,8 @@ def build(
     *,
     seed: int | None = None,
     device: str | torch.device | None = None,
+    stages: Collection[int] | None = None,
+    recompute_pipeline_inputs: bool = False,
 ) -> nn.Module:
     """Validate ``sch`` and materialise its meta tensors shard-locally; return the module.
 
@@ -47,7 +49,10 @@ def build(
     for a checkpoint to fill. ``seed`` defaults to ``torch.initial_seed()`` of global rank 0.
     ``device`` defaults to the current CUDA device, else the CPU. When the schedule has
     ``cut_pipeline_stage`` marks, the result is a :class:`~megatron_slapo.pipeline.PipelineStages`
-    (the stage modules, the tensors crossing each cut, the weights tied across stages).
+    (the stage modules, the tensors crossing each cut, the weights tied across stages). Then
+    ``stages`` limits materialisation to what those stages use (a pipeline rank's own stages; the
+    others keep meta tensors), and ``recompute_pipeline_inputs`` is passed on to
+    :func:`~megatron_slapo.pipeline.partition`.
     """
     validate(sch)
     seed = agreed_seed(seed)
@@ -58,14 +63,21 @@ def build(
         for _, node in sch.named_schedules()
         for name, spec in node.metadata.shards.items()
     }
+    cut = any(node.metadata.pipeline_cut for _, node in sch.named_schedules())
+    keep = None
+    if cut and stages is not None:
+        from megatron_slapo.pipeline import partition
+
+        planned = partition(sch, recompute_pipeline_inputs).stages  # on meta: which tensors each stage uses
+        keep = {id(t) for k in stages for t in (*planned[k].parameters(), *planned[k].buffers())}
     materializer = _Materializer(sch.mod, init_weights, shards, torch.device(device))
     with materializer.protect_finished_tensors():
         for unit_path, modules in _units(sch.mod, ""):
-            materializer.run_unit(unit_path, modules, _derive_seed(seed, unit_path))
-    if any(node.metadata.pipeline_cut for _, node in sch.named_schedules()):
+            materializer.run_unit(unit_path, modules, _derive_seed(seed, unit_path), keep)
+    if cut:
         from megatron_slapo.pipeline import partition
 
-        return partition(sch)
+        return partition(sch, recompute_pipeline_inputs)
     return sch.mod
 
 
@@ -161,7 +173,8 @@ class _Materializer:
 
     @staticmethod
     def _hf_owners(root: nn.Module) -> dict[int, nn.Module]:
-        """For each module, the nearest enclosing HF PreTrainedModel (whose ``_init_weights`` applies)."""
+        """For each module, the nearest enclosing HF PreTrainedModel (whose ``_init_weights`` applies),
+        or a graph traced from one (the tracer keeps the model's ``_init_weights``)."""
         try:
             from transformers import PreTrainedModel
         except ImportError:  # pragma: no cover - transformers is a hard dependency
@@ -169,7 +182,7 @@ class _Materializer:
         owners: dict[int, nn.Module] = {}
 
         def walk(module: nn.Module, owner: nn.Module | None) -> None:
-            owner = module if isinstance(module, PreTrainedModel) else owner
+            owner = module if isinstance(module, PreTrainedModel) or "_init_weights" in vars(module) else owner
             if owner is not None:
                 owners[id(module)] = owner
             for child in module.children():
@@ -200,7 +213,9 @@ class _Materializer:
                         seen.setdefault(id(t), t)
         return list(seen.values())
 
-    def run_unit(self, unit_path: str, modules: list[tuple[str, nn.Module]], seed: int) -> None:
+    def run_unit(self, unit_path: str, modules: list[tuple[str, nn.Module]], seed: int,
+                 keep: set[int] | None = None) -> None:  # fmt: skip
+        """Materialise one unit (unless ``keep`` is given and names none of its tensors)."""
         slots: list[Slot] = [
             (m, table, key, t)
             for _, m in modules
@@ -208,7 +223,7 @@ class _Materializer:
             for key, t in table.items()
             if t is not None
         ]
-        if not any(t.is_meta for *_, t in slots):
+        if not any(t.is_meta for *_, t in slots) or (keep is not None and not any(id(t) in keep for *_, t in slots)):
             return  # nothing to materialise; per-unit seeding makes skipping layout-independent
         work: dict[int, torch.Tensor] = {}
         self.versions = {}

@@ -48,6 +48,11 @@ class PipelineStages(nn.Module):
         self.stages = nn.ModuleList(stages)
         self.plan = plan
 
+    def local(self, pp_rank: int, pp_size: int) -> list[tuple[int, nn.Module]]:
+        """The stages pipeline rank ``pp_rank`` runs: ``pp_rank``, ``pp_rank + pp_size``, ... (Megatron's
+        interleaving: with ``V`` stages per rank, virtual stage ``v`` of rank ``r`` is stage ``v * P + r``)."""
+        return [(k, stage) for k, stage in enumerate(self.stages) if k % pp_size == pp_rank]
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values = self.stages[0](*args, **kwargs)
         for stage in self.stages[1:]:
@@ -104,21 +109,63 @@ def _live_across(graph: fx.Graph, stage_of: dict[fx.Node, int], boundary: int) -
     ]  # fmt: skip
 
 
+_METADATA = ("device", "dtype")  # reading these from a tensor does not depend on its values
+
+
+def _metadata_read(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target is getattr and node.args[1] in _METADATA
+
+
+def _input_derived(flat: fx.GraphModule) -> set[fx.Node]:
+    """Nodes computable from the model's inputs alone (masks, position ids): no parameter, no layer.
+
+    A ``getattr(x, "device"/"dtype")`` counts as input-derived whatever ``x`` is; a stage that
+    recomputes it reads it from its received activation instead (same device, same dtype).
+    """
+    params = {id(p) for p in flat.parameters()}
+    derived: set[fx.Node] = set()
+    for node in flat.graph.nodes:
+        if node.op == "placeholder" or _metadata_read(node):
+            derived.add(node)
+        elif node.op == "get_attr":
+            if id(_lookup(flat, node.target)) not in params:
+                derived.add(node)
+        elif node.op in ("call_function", "call_method") and all(a in derived for a in node.all_input_nodes):
+            derived.add(node)
+    return derived
+
+
 def _stage_module(flat: fx.GraphModule, stage: int, stage_of: dict, inputs: list[fx.Node],
-                  outputs: list[fx.Node] | None) -> fx.GraphModule:  # fmt: skip
+                  outputs: list[fx.Node] | None, recompute: set[fx.Node] = frozenset()) -> fx.GraphModule:  # fmt: skip
+    """One stage's graph. Values in ``recompute`` that the stage needs but was not handed are
+    recomputed from its inputs (which then include the model's inputs)."""
     graph, env = fx.Graph(), {}
     for node in inputs:
         env[node] = graph.placeholder(node.name)
+    anchor = env[inputs[-1]] if inputs else None  # the received activation (last input) for metadata reads
+
+    def fetch(node: fx.Node) -> fx.Node:
+        if node not in env:
+            if node not in recompute:
+                raise SchedulingError(
+                    f"stage {stage} needs {node.name}, which neither crosses the cut nor is recomputable"
+                )
+            if _metadata_read(node) and node.args[0] not in env and node.args[0] not in recompute:
+                env[node] = graph.call_function(getattr, (anchor, node.args[1]))
+            else:
+                env[node] = graph.node_copy(node, fetch)
+        return env[node]
+
     for node in flat.graph.nodes:
         if node in env or node.op == "output":
             continue
         if stage_of[node] == stage or (node.op == "get_attr" and any(stage_of[u] == stage for u in node.users)):
-            env[node] = graph.node_copy(node, lambda n: env[n])
+            env[node] = graph.node_copy(node, fetch)
     if outputs is None:
         final = next(n for n in flat.graph.nodes if n.op == "output")
-        graph.output(fx.node.map_arg(final.args[0], lambda n: env[n]))
+        graph.output(fx.node.map_arg(final.args[0], fetch))
     else:
-        graph.output(tuple(env[n] for n in outputs))
+        graph.output(tuple(fetch(n) for n in outputs))
     stage_module = fx.GraphModule(flat, graph, f"Stage{stage}")
     for path in _subgraph_targets(flat, graph):  # layers that only a subgraph module calls
         _attach(stage_module, path, _lookup(flat, path))
@@ -161,8 +208,14 @@ def _tied(stages: list[fx.GraphModule]) -> dict[str, list[int]]:
     return {name: used for name, used in owners.values() if len(used) > 1}
 
 
-def partition(sch: Schedule) -> PipelineStages:
-    """Split the traced root of ``sch`` at its ``cut_pipeline_stage`` marks."""
+def partition(sch: Schedule, recompute_inputs: bool = False) -> PipelineStages:
+    """Split the traced root of ``sch`` at its ``cut_pipeline_stage`` marks.
+
+    With ``recompute_inputs``, values derived from the model's inputs alone (attention masks,
+    position ids) do not cross the cuts: every stage takes the model's inputs plus the activations
+    that do cross, and recomputes the rest. Megatron's pipeline schedules need that form: they
+    send one activation tensor between stages and hand every stage the micro-batch.
+    """
     cut_paths = [path for path, node in sch.named_schedules() if node.metadata.pipeline_cut]
     flat = _flat_root(sch, cut_paths)
     order = graph_order(flat.graph)
@@ -170,11 +223,13 @@ def partition(sch: Schedule) -> PipelineStages:
     stage_of = _assign_stages(flat.graph, cut_paths)
     placeholders = [n for n in flat.graph.nodes if n.op == "placeholder"]
     boundaries = [_live_across(flat.graph, stage_of, k + 1) for k in range(len(cut_paths))]
+    recompute = _input_derived(flat) if recompute_inputs else set()
+    boundaries = [[n for n in b if n not in recompute] for b in boundaries]
     stages = []
     for k in range(len(cut_paths) + 1):
-        inputs = placeholders if k == 0 else boundaries[k - 1]
+        inputs = placeholders if k == 0 else (placeholders if recompute else []) + boundaries[k - 1]
         outputs = boundaries[k] if k < len(cut_paths) else None
-        stages.append(_stage_module(flat, k, stage_of, inputs, outputs))
+        stages.append(_stage_module(flat, k, stage_of, inputs, outputs, recompute))
     crossing = [[n.name for n in b] for b in boundaries]
     for hook in sch.mod._forward_pre_hooks.values():  # stage 0 takes the model's inputs: same guard
         if isinstance(hook, CallGuard):

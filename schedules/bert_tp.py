@@ -34,4 +34,5 @@ def plan(prefix: str) -> dict:
 
 
 def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
-    apply_plan(sch, plan(sch.mod.base_model_prefix))
+    # The model type names the base model's attribute; a traced root (pipeline) lacks HF's own field.
+    apply_plan(sch, plan(getattr(config, "model_type", None) or sch.mod.base_model_prefix))

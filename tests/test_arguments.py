@@ -23,7 +23,7 @@ def args_for(*extra, world=2):
 def test_megatron_names_and_derived_values():
     args = args_for("--tensor-model-parallel-size", "2", "--global-batch-size", "8", "--lr-warmup-fraction", "0.1")
     assert args.data_parallel_size == 1 and args.max_position_embeddings == 32 and args.lr_decay_iters == 10
-    assert args.make_vocab_size_divisible_by == 128 and args.engine == "ddp" and not args.embedded_data
+    assert args.make_vocab_size_divisible_by == 128 and args.engine == "megatron" and not args.embedded_data
     assert args_for().global_batch_size == 4  # micro batch x data-parallel size
 
 
@@ -36,8 +36,12 @@ def test_megatron_names_and_derived_values():
             r"global batch size \(6\) is not divisible by micro batch size \(2\) x data-parallel size \(2\)",
         ),
         (["--tensor-model-parallel-size", "3"], 2, "world size 2 is not divisible by tensor \\(3\\)"),
-        (["--pipeline-model-parallel-size", "2"], 2, "needs a pipeline engine"),
-        (["--use-distributed-optimizer"], 2, "needs megatron-core's engine"),
+        (["--pipeline-model-parallel-size", "2", "--engine", "ddp"], 2, "pipeline parallelism needs --engine megatron"),
+        (
+            ["--use-distributed-optimizer", "--engine", "fsdp"],
+            2,
+            "--use-distributed-optimizer needs --engine megatron, not fsdp",
+        ),
         (["--sequence-parallel"], 2, "no schedule in schedules/ applies sequence parallelism"),
         (["--eval-interval", "0"], 1, "--eval-interval must be >= 1"),
         (["--min-lr", "1"], 1, "--min-lr 1.0 must lie between 0 and --lr 0.001"),
@@ -46,7 +50,7 @@ def test_megatron_names_and_derived_values():
         (["--finetune"], 1, "--finetune needs --load"),
         (["--seq-length", "64", "--max-position-embeddings", "32"], 1, "exceeds --max-position-embeddings"),
         (["--lr-warmup-iters", "10"], 1, "warmup .* must end before the decay"),
-        (["--zero-stage", "3"], 2, "--zero-stage and --deepspeed-config need --engine deepspeed, not ddp"),
+        (["--zero-stage", "3"], 2, "--zero-stage and --deepspeed-config need --engine deepspeed, not megatron"),
     ],
 )
 def test_contradictions_are_one_clear_error(extra, world, message):

@@ -27,7 +27,7 @@ from megatron_slapo.training import checkpointing
 
 
 def read_shards(load_dir: str, iteration: int | None) -> tuple[int, list[dict]]:
-    """Every TP rank's state of one iteration (pipeline parallelism is not supported here)."""
+    """Every TP rank's state of one iteration (the files of its pipeline stages merged)."""
     if iteration is None:
         iteration = checkpointing.latest_iteration(load_dir)
         if iteration is None:
@@ -35,16 +35,27 @@ def read_shards(load_dir: str, iteration: int | None) -> tuple[int, list[dict]]:
     root = checkpointing.iteration_dir(load_dir, iteration)
     if not os.path.isdir(root):
         raise CheckpointError(f"{root} does not exist")
-    ranks = sorted(d for d in os.listdir(root) if re.fullmatch(r"mp_rank_\d\d", d))
-    if not ranks:
-        raise CheckpointError(
-            f"{root} holds no mp_rank_XX directories (pipeline-parallel checkpoints are not supported)"
-        )
-    states = [checkpointing.read(os.path.join(root, r, checkpointing.FILENAME)) for r in ranks]
+    by_tp: dict[int, list[str]] = {}
+    for d in sorted(os.listdir(root)):
+        match = re.fullmatch(r"mp_rank_(\d\d)(_\d\d\d)?", d)
+        if match:
+            by_tp.setdefault(int(match.group(1)), []).append(d)
+    if not by_tp:
+        raise CheckpointError(f"{root} holds no mp_rank_XX directories")
+    states = [_merge_stages([checkpointing.read(os.path.join(root, d, checkpointing.FILENAME)) for d in dirs])
+              for _, dirs in sorted(by_tp.items())]  # fmt: skip
     expected = states[0]["slapo"]["tensor_parallel_size"]
     if len(states) != expected:
         raise CheckpointError(f"{root} has {len(states)} TP ranks, its metadata says {expected}")
     return iteration, states
+
+
+def _merge_stages(stages: list[dict]) -> dict:
+    """One TP rank's pipeline-stage files as one: their weights and shard layouts together."""
+    merged = dict(stages[0])
+    merged["model"] = {k: v for s in stages for k, v in s["model"].items()}
+    merged["slapo"] = {**stages[0]["slapo"], "shards": {k: v for s in stages for k, v in s["slapo"]["shards"].items()}}
+    return merged
 
 
 def full_state_dict(states: list[dict]) -> dict[str, torch.Tensor]:
@@ -116,7 +127,9 @@ def from_hf(args: argparse.Namespace) -> None:
     )  # fmt: skip
     os.makedirs(args.save, exist_ok=True)
     engine = _WeightsOnly(model)
-    metadata = checkpointing.export_metadata(model, run_args, model.config, vocab_params)
+    metadata = checkpointing.export_metadata(
+        model.state_dict(keep_vars=True), type(model).__name__, run_args, model.config, vocab_params
+    )
     path = checkpointing.save(engine, run_args, checkpointing.Layout.current(), checkpointing.Resume(), metadata)
     if torch.distributed.get_rank() == 0:
         print(f"wrote {path} (TP {tp}); train from it with --load {args.save} --finetune (or --no-load-optim)")

@@ -3,7 +3,8 @@
 from megatron_slapo.engines.ddp import DDPEngine
 from megatron_slapo.engines.deepspeed_zero import DeepSpeedEngine
 from megatron_slapo.engines.fsdp import FSDPEngine
+from megatron_slapo.engines.megatron_core import MegatronEngine
 
-ENGINES = {"ddp": DDPEngine, "deepspeed": DeepSpeedEngine, "fsdp": FSDPEngine}
+ENGINES = {"ddp": DDPEngine, "deepspeed": DeepSpeedEngine, "fsdp": FSDPEngine, "megatron": MegatronEngine}
 
-__all__ = ["ENGINES", "DDPEngine", "DeepSpeedEngine", "FSDPEngine"]
+__all__ = ["ENGINES", "DDPEngine", "DeepSpeedEngine", "FSDPEngine", "MegatronEngine"]

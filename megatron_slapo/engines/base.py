@@ -13,7 +13,6 @@ stays behind this interface, so the trainer is the same for every engine.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,8 +23,17 @@ from torch import nn
 from megatron_slapo.parallel.collectives import Group, group_size
 
 Batch = dict[str, torch.Tensor]
-# loss_fn(model, micro_batch) -> (scalar loss to differentiate, metrics to log)
-LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+Loss = tuple[torch.Tensor, dict[str, torch.Tensor]]  # (scalar loss to differentiate, metrics to log)
+
+
+class Task(Protocol):
+    """What the engine needs from the task (GPT, BERT): the model's inputs and the loss."""
+
+    def inputs(self, batch: Batch) -> dict[str, Any]: ...
+
+    def criterion(self, out: Any, batch: Batch) -> Loss: ...
+
+    def loss(self, model: nn.Module, batch: Batch) -> Loss: ...
 
 
 @dataclass
@@ -54,9 +62,9 @@ class StepResult:
 class Engine(Protocol):
     model: nn.Module  # the built model, unwrapped
 
-    def train_step(self, microbatches: list[Batch], loss_fn: LossFn) -> StepResult: ...
+    def train_step(self, microbatches: list[Batch], task: Task) -> StepResult: ...
 
-    def eval_step(self, microbatches: list[Batch], loss_fn: LossFn) -> dict[str, float]: ...
+    def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]: ...
 
     def memory_report(self) -> dict[str, int]:
         """Bytes this rank holds for ``params``, ``grads`` and ``optimizer`` state (logged at start)."""

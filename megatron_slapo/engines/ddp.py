@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from megatron_slapo.engines.base import Batch, LossFn, StepResult, accumulate, average_metrics, tensor_bytes, to_device
+from megatron_slapo.engines.base import Batch, StepResult, Task, accumulate, average_metrics, tensor_bytes, to_device
 from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parallel_grads, group_size
 from megatron_slapo.training.loss_scaler import LossScaler
 from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, clip_grads, global_norm
@@ -51,7 +51,7 @@ class DDPEngine:
         params = tensor_bytes(self.params)
         return {"params": params, "grads": params, "optimizer": 2 * params}
 
-    def train_step(self, microbatches: list[Batch], loss_fn: LossFn) -> StepResult:
+    def train_step(self, microbatches: list[Batch], task: Task) -> StepResult:
         self.wrapped.train()
         totals: dict[str, torch.Tensor] = {}
         n = len(microbatches)
@@ -61,7 +61,7 @@ class DDPEngine:
             sync = contextlib.nullcontext() if last or self.wrapped is self.model else self.wrapped.no_sync()
             with sync:
                 with self._autocast():
-                    loss, metrics = loss_fn(self.wrapped, to_device(batch, self.device))
+                    loss, metrics = task.loss(self.wrapped, to_device(batch, self.device))
                 (loss * (scale / n)).backward()
             accumulate(totals, metrics)
         allreduce_sequence_parallel_grads(self.model, self.tp_group)
@@ -89,12 +89,12 @@ class DDPEngine:
         )
 
     @torch.no_grad()
-    def eval_step(self, microbatches: list[Batch], loss_fn: LossFn) -> dict[str, float]:
+    def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
         self.wrapped.eval()
         totals: dict[str, torch.Tensor] = {}
         for batch in microbatches:
             with self._autocast():
-                _, metrics = loss_fn(self.model, to_device(batch, self.device))
+                _, metrics = task.loss(self.model, to_device(batch, self.device))
             accumulate(totals, metrics)
         return average_metrics(totals, len(microbatches), self.dp_group)
 

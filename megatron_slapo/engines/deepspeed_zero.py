@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_slapo.engines.base import Batch, LossFn, StepResult, accumulate, average_metrics, tensor_bytes, to_device
+from megatron_slapo.engines.base import Batch, StepResult, Task, accumulate, average_metrics, tensor_bytes, to_device
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.parallel.collectives import Group, group_rank, group_size
 from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, global_norm, local_part
@@ -156,7 +156,7 @@ class DeepSpeedEngine:
         optimizer = 3 * master if self.stage >= 1 else 2 * master
         return {"params": tensor_bytes([local_part(p) for p in params]), "grads": grads, "optimizer": optimizer}
 
-    def train_step(self, microbatches: list[Batch], loss_fn: LossFn) -> StepResult:
+    def train_step(self, microbatches: list[Batch], task: Task) -> StepResult:
         steps = self.config["gradient_accumulation_steps"]
         if len(microbatches) != steps:
             raise ValueError(f"DeepSpeed was configured for {steps} micro-batches per step, got {len(microbatches)}")
@@ -164,7 +164,7 @@ class DeepSpeedEngine:
         totals: dict[str, torch.Tensor] = {}
         scale = float(getattr(self.optimizer, "cur_scale", 1.0))
         for batch in microbatches:
-            loss, metrics = loss_fn(self.ds, to_device(batch, self.device))
+            loss, metrics = task.loss(self.ds, to_device(batch, self.device))
             self.ds.backward(loss)  # scales by 1 / accumulation steps; reduces at the last one
             self.ds.step()  # the optimizer steps (and clips) at the accumulation boundary only
             accumulate(totals, metrics)
@@ -191,11 +191,11 @@ class DeepSpeedEngine:
         )
 
     @torch.no_grad()
-    def eval_step(self, microbatches: list[Batch], loss_fn: LossFn) -> dict[str, float]:
+    def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
         self.ds.eval()
         totals: dict[str, torch.Tensor] = {}
         for batch in microbatches:
-            _, metrics = loss_fn(self.ds, to_device(batch, self.device))
+            _, metrics = task.loss(self.ds, to_device(batch, self.device))
             accumulate(totals, metrics)
         return average_metrics(totals, len(microbatches), self.dp_group)
 

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from megatron_slapo.engines.base import Batch, LossFn, StepResult, accumulate, average_metrics, tensor_bytes, to_device
+from megatron_slapo.engines.base import Batch, StepResult, Task, accumulate, average_metrics, tensor_bytes, to_device
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.parallel.collectives import Group, group_rank, group_size
 from megatron_slapo.training.loss_scaler import LossScaler
@@ -71,14 +71,14 @@ class FSDPEngine:
     def _norm(self, of_grads: bool = True) -> float:
         return global_norm(self.params, self.tp_group, of_grads=of_grads, partition_group=self.dp_group)
 
-    def train_step(self, microbatches: list[Batch], loss_fn: LossFn) -> StepResult:
+    def train_step(self, microbatches: list[Batch], task: Task) -> StepResult:
         self.model.train()
         totals: dict[str, torch.Tensor] = {}
         n = len(microbatches)
         scale = self.scaler.scale if self.scaler else 1.0
         for i, batch in enumerate(microbatches):
             self.model.set_requires_gradient_sync(i == n - 1)  # reduce-scatter once, after the last one
-            loss, metrics = loss_fn(self.model, to_device(batch, self.device))
+            loss, metrics = task.loss(self.model, to_device(batch, self.device))
             (loss * (scale / n)).backward()
             accumulate(totals, metrics)
         if scale != 1.0:
@@ -105,11 +105,11 @@ class FSDPEngine:
         )
 
     @torch.no_grad()
-    def eval_step(self, microbatches: list[Batch], loss_fn: LossFn) -> dict[str, float]:
+    def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
         self.model.eval()
         totals: dict[str, torch.Tensor] = {}
         for batch in microbatches:
-            _, metrics = loss_fn(self.model, to_device(batch, self.device))
+            _, metrics = task.loss(self.model, to_device(batch, self.device))
             accumulate(totals, metrics)
         return average_metrics(totals, len(microbatches), self.dp_group)
 

@@ -12,6 +12,8 @@ comm hook that does.
 The payload is the size of the whole tensor the collective works on: the tensor for all-reduce,
 broadcast and point-to-point, the gathered output for all-gather, the input for reduce-scatter.
 That is the quantity of Megatron's analytic counts (``2 x b x s x h`` per layer forward for TP).
+Collectives over a single-rank group (megatron-core's DDP reduces even when there is one replica)
+move nothing and are not counted.
 """
 
 from __future__ import annotations
@@ -44,13 +46,15 @@ _PAYLOAD = {
 
 
 def group_names() -> dict[Any, str]:
-    """Process groups by their megatron-core role: ``tp``, ``dp``, ``pp``, ``embd``."""
+    """Process groups by their megatron-core role: ``tp``, ``pp``, ``dp``, ``embd``, ``mp``, ``dp-cp``."""
     from megatron.core import parallel_state as ps
 
     names: dict[Any, str] = {}
     getters = {
         "tp": ps.get_tensor_model_parallel_group, "pp": ps.get_pipeline_model_parallel_group,
         "dp": ps.get_data_parallel_group, "embd": ps.get_embedding_group,
+        "mp": ps.get_model_parallel_group,  # tensor x pipeline: where gradient norms are summed
+        "dp-cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),  # megatron-core DDP's
     }  # fmt: skip
     for name, get in getters.items():
         try:
@@ -81,9 +85,9 @@ class CommLog:
 
         @functools.wraps(fn)
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if self._depth == 0:  # a deprecated name calling its successor counts once
+            group = kwargs.get("group", args[group_index] if len(args) > group_index else None)
+            if self._depth == 0 and dist.get_world_size(group) > 1:  # counted once; a 1-rank group moves nothing
                 payload = kwargs.get(keyword, args[index] if len(args) > index else None)
-                group = kwargs.get("group", args[group_index] if len(args) > group_index else None)
                 self.bytes[f"{op}[{self._group_name(group)}]"] += _size(payload)
             self._depth += 1
             try:

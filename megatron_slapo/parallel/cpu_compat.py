@@ -3,8 +3,9 @@
 megatron-core hard-codes CUDA in a few places that are otherwise device-agnostic: buffers are
 allocated with ``device=torch.cuda.current_device()`` (tensor-parallel mappings, the global memory
 buffer, pipeline receive buffers), the pipeline p2p code calls ``torch.cuda.synchronize()``, and its
-RNG tracker reads and writes the CUDA generator. On a machine without CUDA those calls raise. This
-module maps them onto the CPU. It is the only place that does so, and :func:`apply` refuses to run
+RNG tracker reads and writes the CUDA generator; its optimizer and pipeline schedules create tensors
+with a literal ``device="cuda"`` (:func:`device_mode`). On a machine without CUDA those calls
+raise. This module maps them onto the CPU. It is the only place that does so, and :func:`apply` refuses to run
 when CUDA is present, so GPU runs use megatron-core unchanged.
 
 Measured in ../shared/notes/cpu-feasibility.md §1: with these shims megatron-core's TP layers, GPT
@@ -13,7 +14,10 @@ model, DDP and pipeline schedules give the same losses on CPU as their reference
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 _applied = False
 
@@ -45,3 +49,30 @@ def apply() -> None:
     mc_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     mc_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     _applied = True
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Inside megatron-core's optimizer and pipeline schedules: ``device="cuda"`` means the CPU.
+
+    They create small tensors with a literal ``device="cuda"`` (the loss scale, the gradient-norm
+    accumulator, token counts), call ``Tensor.cuda()``, and check ``Tensor.type()`` for
+    ``torch.cuda.FloatTensor``. Under this mode such calls stay on (and report) the CPU tensors.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if "cuda" in str(kwargs.get("device", "")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
+def device_mode() -> contextlib.AbstractContextManager:
+    """The mode megatron-core's optimizer and schedules run under: CPU-for-CUDA here, nothing on a GPU."""
+    if torch.cuda.is_available():
+        return contextlib.nullcontext()
+    apply()
+    return _CudaToCpu()

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import torch.fx as fx
 from transformers import PreTrainedModel
 
 from megatron_slapo.errors import SchedulingError
@@ -104,9 +105,20 @@ class VocabParallelHead:
         owner = sch.parent
         while owner is not None and not isinstance(owner.mod, PreTrainedModel):
             owner = owner.parent
-        if owner is None:
+        if owner is not None:
+            owner.mod.loss_function = VocabParallelLMLoss(sch.group, causal=self.causal)
+        elif not any(
+            isinstance(node.mod, fx.GraphModule) for node in _ancestors(sch)
+        ):  # a traced model has no ``labels=`` path to fix
             raise sch._error("VocabParallelHead needs an enclosing HF PreTrainedModel to compute the loss")
-        owner.mod.loss_function = VocabParallelLMLoss(sch.group, causal=self.causal)
+
+
+def _ancestors(sch: Schedule) -> list[Schedule]:
+    out, node = [], sch.parent
+    while node is not None:
+        out.append(node)
+        node = node.parent
+    return out
 
 
 @dataclass(frozen=True)

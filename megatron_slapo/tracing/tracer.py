@@ -197,6 +197,17 @@ class _Tracer(MetaTracer):
         self.meta_root = meta_copy(root)
         return super().trace(root, meta_args, concrete_args)
 
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        """Branches on static metadata (``mask.ndim == 2``) are decided now, from the example inputs'
+        metas: the graph is specialised to their shapes anyway. Data-dependent ones still fail."""
+        try:
+            meta = _metas(obj) if isinstance(obj, meta_tracer.MetaProxy) else None
+        except AttributeError:  # no meta was computed for it
+            meta = None
+        if isinstance(meta, (bool, int)):
+            return bool(meta)
+        return super().to_bool(obj)
+
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
         if kind != "call_module":
             return super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
@@ -263,6 +274,27 @@ def _regroup_tuple_inputs(graph: fx.Graph, call: Call) -> dict[fx.Node, fx.Node]
     return moved
 
 
+def _views_of_buffers(graph: fx.Graph, wrapper: nn.Module, module: nn.Module) -> None:
+    """A buffer sliced with constant indices (BERT's ``self.position_ids[:, :seq]``) is evaluated
+    during tracing and lifted as a constant tensor; a copy of a meta model's buffer has no values,
+    and a real one would go stale. Such a constant becomes a strided view of the buffer again."""
+    buffers = {id(b): name for name, b in module.named_buffers()}
+    for node in list(graph.nodes):
+        if node.op != "get_attr" or node.target.startswith("inner."):
+            continue
+        value = getattr(wrapper, node.target)
+        name = buffers.get(id(getattr(value, "_base", None)))
+        if name is None:
+            continue
+        with graph.inserting_before(node):
+            base = graph.get_attr(f"inner.{name}")
+            view = graph.call_function(
+                torch.as_strided, (base, tuple(value.shape), tuple(value.stride()), value.storage_offset())
+            )
+        node.replace_all_uses_with(view)
+        graph.erase_node(node)
+
+
 def _strip_prefix(graph: fx.Graph) -> None:
     """Targets and names were recorded under the tracing wrapper's ``inner`` attribute."""
     for node in graph.nodes:
@@ -285,7 +317,8 @@ def _rebuild_model_output(graph: fx.Graph, out_type: type) -> None:
 
 def _failure(path: str, module: nn.Module, err: BaseException) -> TraceError:
     """Name the module and the source line (outside torch.fx) where tracing broke."""
-    frames = [f for f in traceback.extract_tb(err.__traceback__) if "/torch/fx/" not in f.filename]
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if "/torch/fx/" not in f.filename
+              and not f.filename.endswith("megatron_slapo/tracing/tracer.py")]  # fmt: skip
     where = ""
     if frames:
         f = frames[-1]
@@ -322,6 +355,7 @@ def trace_level(
         raise
     except Exception as err:  # noqa: BLE001 - any failure inside user/HF code is reported the same way
         raise _failure(path, module, err) from err
+    _views_of_buffers(graph, wrapper, module)
     constants = {
         n.target: getattr(wrapper, n.target)
         for n in graph.nodes
@@ -333,7 +367,10 @@ def trace_level(
         child.call.sources = fx.node.map_arg(child.call.sources, lambda n: moved.get(n, n))
     _rebuild_model_output(graph, wrapper.__dict__.get("out_type"))
     gm = fx.GraphModule(_graph_root(module, graph, constants), graph, f"Traced{type(module).__name__}")
+    _keep_containers(gm, module)
     _keep_parameters(gm, module)
+    if hasattr(module, "_init_weights"):  # an HF model's initialiser: build() still needs it for new weights
+        gm._init_weights = module._init_weights
     gm.train(module.training)
     gm.register_forward_pre_hook(CallGuard(path, module, call), with_kwargs=True)
     return Traced(gm, call, tracer.children, _to_meta(wrapper.__dict__.get("out")))
@@ -349,6 +386,22 @@ def _graph_root(module: nn.Module, graph: fx.Graph, constants: dict[str, Any]) -
             owner, _, name = node.target.rpartition(".")
             root[node.target] = getattr(module.get_submodule(owner) if owner else module, name)
     return root
+
+
+def _keep_containers(gm: fx.GraphModule, module: nn.Module) -> None:
+    """A ``ModuleList`` of called layers stays a ``ModuleList`` (fx would rebuild it as a plain
+    ``Module``): ``build`` initialises per layer, and the trainer finds the layers, by that type."""
+    for name, container in module.named_modules():
+        if not name or not isinstance(container, nn.ModuleList):
+            continue
+        owner_path, _, leaf = name.rpartition(".")
+        try:
+            rebuilt = gm.get_submodule(name)
+            owner = gm.get_submodule(owner_path) if owner_path else gm
+        except AttributeError:
+            continue  # the graph calls none of its layers
+        if type(rebuilt) is nn.Module and all(c is container._modules.get(k) for k, c in rebuilt._modules.items()):
+            setattr(owner, leaf, container)
 
 
 def _keep_parameters(gm: fx.GraphModule, module: nn.Module) -> None:

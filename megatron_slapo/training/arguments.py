@@ -53,14 +53,13 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--engine", choices=sorted(ENGINES), default="ddp")
+    g.add_argument("--engine", choices=sorted(ENGINES), default="megatron")
     g.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="--engine deepspeed (default 1)")
     g.add_argument("--deepspeed-config", metavar="JSON", help="--engine deepspeed: extra DeepSpeed settings")
-    # Megatron flags whose features are not available yet: accepted, then refused with a reason.
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, help="interleaved 1F1B (--engine megatron)")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="--engine megatron: ZeRO-1 over DP")
+    g.add_argument("--overlap-grad-reduce", action="store_true", help="--engine megatron")
+    g.add_argument("--sequence-parallel", action="store_true", help="not available yet: refused with a reason")
 
 
 def _training(p: argparse.ArgumentParser) -> None:
@@ -184,13 +183,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
     if args.engine != "deepspeed" and (args.zero_stage is not None or args.deepspeed_config):
         raise ConfigError(f"--zero-stage and --deepspeed-config need --engine deepspeed, not {args.engine}")
-    if pp > 1 or args.num_layers_per_virtual_pipeline_stage:
-        raise ConfigError(f"pipeline parallelism needs a pipeline engine; --engine {args.engine} has none")
-    for flag in ("use_distributed_optimizer", "overlap_grad_reduce"):
-        if getattr(args, flag):
-            raise ConfigError(
-                f"--{flag.replace('_', '-')} needs megatron-core's engine; --engine {args.engine} lacks it"
-            )
+    if args.engine != "megatron":
+        if pp > 1 or args.num_layers_per_virtual_pipeline_stage:
+            raise ConfigError(f"pipeline parallelism needs --engine megatron; --engine {args.engine} has none")
+        for flag in ("use_distributed_optimizer", "overlap_grad_reduce"):
+            if getattr(args, flag):
+                raise ConfigError(f"--{flag.replace('_', '-')} needs --engine megatron, not {args.engine}")
+    if args.num_layers_per_virtual_pipeline_stage and pp == 1:
+        raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     if args.sequence_parallel:
         raise ConfigError("--sequence-parallel: no schedule in schedules/ applies sequence parallelism yet")
     if args.recompute_granularity == "selective":

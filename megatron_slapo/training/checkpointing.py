@@ -28,7 +28,6 @@ from typing import Any
 import numpy
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from megatron_slapo.engines.base import Engine
 from megatron_slapo.errors import CheckpointError
@@ -100,16 +99,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     get_rng_tracker().set_states(state["tracker"])
 
 
-def export_metadata(model: nn.Module, args: argparse.Namespace, config: Any, vocab_params: list[str]) -> dict:
-    """What ``tools/convert_checkpoint.py`` needs to rebuild the HF model from the shards."""
+def export_metadata(tensors: dict[str, torch.Tensor], model_class: str, args: argparse.Namespace, config: Any,
+                    vocab_params: list[str]) -> dict:  # fmt: skip
+    """What ``tools/convert_checkpoint.py`` needs to rebuild the HF model (class ``model_class``) from
+    the shards; ``tensors`` are this rank's (``state_dict(keep_vars=True)``), whose shard layout it records."""
     shards = {
         name: [t.partition_dim, t.partition_stride]
-        for name, t in model.state_dict(keep_vars=True).items()
+        for name, t in tensors.items()
         if getattr(t, "tensor_model_parallel", False)
     }
     return {
         "task": args.task,
-        "model_class": type(model).__name__,
+        "model_class": model_class,
         "hf_config": config.to_json_string(),
         "shards": shards,
         "vocab": {"true": args.true_vocab_size, "padded": args.padded_vocab_size, "params": vocab_params},

@@ -29,11 +29,19 @@ from megatron_slapo.engines import ENGINES
 from megatron_slapo.engines.base import Engine
 from megatron_slapo.errors import CheckpointError, ConfigError, SchedulingError
 from megatron_slapo.parallel.comm_log import CommLog
+from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.training import checkpointing
 from megatron_slapo.training.arguments import parse_args, validate_args
 from megatron_slapo.training.checkpointing import Layout, Resume
 from megatron_slapo.training.flops import device_peak_tflops, flops_per_token
-from megatron_slapo.training.model import build_config, create_model, transformer_layers, vocab_parameter_names
+from megatron_slapo.training.model import (
+    build_config,
+    create_model,
+    pipeline_stages,
+    trace_for_pipeline,
+    transformer_layers,
+    vocab_parameter_names,
+)
 from megatron_slapo.training.reporting import Reporter, log_engine_memory
 from megatron_slapo.training.tasks import BERTTask, GPTTask
 from schedules import describe, get_schedule
@@ -92,10 +100,9 @@ def _split_sizes(args: argparse.Namespace) -> SplitSizes:
     return SplitSizes(args.train_iters * gbs, evaluations * args.eval_iters * gbs, 0)
 
 
-def _apply_recompute(sch: ms.Schedule, args: argparse.Namespace, num_layers: int) -> None:
+def _apply_recompute(sch: ms.Schedule, args: argparse.Namespace, layers: list[str]) -> None:
     if args.recompute_granularity != "full":
         return
-    layers = transformer_layers(sch.mod, num_layers)
     if args.recompute_method == "uniform":
         if args.recompute_num_layers != 1:
             raise ConfigError("--recompute-method uniform recomputes each layer: use --recompute-num-layers 1")
@@ -121,6 +128,8 @@ def setup(args: argparse.Namespace) -> Run:
     config = build_config(args, tokenizer)
     if args.seq_length is None:
         args.seq_length = config.max_position_embeddings
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):  # as Megatron's args carry them
+        setattr(args, name, getattr(config, "num_hidden_layers" if name == "num_layers" else name))
     print_rank_0(
         f"> padded vocab (size: {args.true_vocab_size}) with {args.padded_vocab_size - args.true_vocab_size} "
         f"dummy tokens (new size: {args.padded_vocab_size})"
@@ -136,10 +145,17 @@ def setup(args: argparse.Namespace) -> Run:
     model = create_model(args, config)
     tokens_per_iteration = args.global_batch_size * args.seq_length
     flops = flops_per_token(model, config.num_hidden_layers, config.hidden_size, args.seq_length, config.vocab_size)
-    metadata_vocab = vocab_parameter_names(model)
+    metadata_vocab, model_class = vocab_parameter_names(model), type(model).__name__
     sch = ms.create_schedule(model)
+    stages = pipeline_stages(args, config.num_hidden_layers)
+    needs_layers = stages > 1 or args.recompute_granularity == "full"  # ALBERT, say, shares one layer: none
+    layers = transformer_layers(model, config.num_hidden_layers) if needs_layers else []
+    if stages > 1:
+        trace_for_pipeline(sch, task, args, layers)
     schedule.apply(sch, config, args)
-    _apply_recompute(sch, args, config.num_hidden_layers)
+    _apply_recompute(sch, args, layers)
+    for k in range(1, stages):
+        sch[layers[k * len(layers) // stages]].cut_pipeline_stage()
     shards = any(node.metadata.shards for _, node in sch.named_schedules())
     if layout.tp_size > 1 and not shards:
         raise ConfigError(
@@ -149,11 +165,15 @@ def setup(args: argparse.Namespace) -> Run:
     if layout.tp_size == 1 and shards and world > 1:
         print_rank_0(f" > note: --schedule {args.schedule} shards over --tensor-model-parallel-size 1, i.e. not at all; "
                      f"the {world} ranks are data-parallel")  # fmt: skip
-    model = ms.build(sch, seed=args.seed)
-    local = sum(p.numel() for p in model.parameters())
-    print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank (0, 0): {local}")
-
-    metadata = checkpointing.export_metadata(model, args, config, metadata_vocab)  # before engines wrap it
+    local_stages = [k for k in range(stages) if k % layout.pp_size == layout.pp_rank]
+    model = ms.build(sch, seed=args.seed, stages=local_stages, recompute_pipeline_inputs=True)
+    local = model.local(layout.pp_rank, layout.pp_size) if isinstance(model, PipelineStages) else [(0, model)]
+    tensors = {k: v for _, stage in local for k, v in stage.state_dict(keep_vars=True).items()}
+    count = sum(p.numel() for p in {id(p): p for _, stage in local for p in stage.parameters()}.values())
+    if layout.dp_rank == 0:
+        where = f"({layout.tp_rank}, {layout.pp_rank})"
+        print(f" > number of parameters on (tensor, pipeline) model parallel rank {where}: {count}", flush=True)
+    metadata = checkpointing.export_metadata(tensors, model_class, args, config, metadata_vocab)  # before wrapping
     engine = ENGINES[args.engine](model, args, layout.dp_group, tp_group)
     log_engine_memory(engine.memory_report(), (layout.tp_rank, layout.pp_rank, layout.dp_rank))
     resume = Resume()
@@ -176,7 +196,7 @@ def _batches(loader) -> Iterator:
 def evaluate(run: Run, batches: Iterator, iterations: int, num_microbatches: int) -> dict[str, float]:
     totals: dict[str, float] = {}
     for _ in range(iterations):
-        metrics = run.engine.eval_step([next(batches) for _ in range(num_microbatches)], run.task.loss)
+        metrics = run.engine.eval_step([next(batches) for _ in range(num_microbatches)], run.task)
         for k, v in metrics.items():
             totals[k] = totals.get(k, 0.0) + v
     return {k: v / iterations for k, v in totals.items()}
@@ -225,7 +245,7 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, train_batches: Iterator, 
         if comm:
             comm.take()  # evaluation and checkpoints are not part of the step
         timers("train-step", log_level=0).start()
-        result = run.engine.train_step(micro, run.task.loss)
+        result = run.engine.train_step(micro, run.task)
         timers("train-step").stop()
         if comm:
             result.comm = comm.take()

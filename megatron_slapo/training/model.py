@@ -139,3 +139,43 @@ def vocab_parameter_names(model: nn.Module) -> list[str]:
     vocab_tensors = [model.get_input_embeddings().weight, getattr(out, "weight", None), getattr(out, "bias", None)]
     ids = {id(t) for t in vocab_tensors if t is not None}
     return sorted(n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids)
+
+
+def pipeline_stages(args: argparse.Namespace, num_layers: int) -> int:
+    """How many stages the model is cut into: pipeline ranks x virtual stages per rank."""
+    pp, per_virtual = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage
+    if per_virtual:
+        if num_layers % (per_virtual * pp):
+            raise ConfigError(f"{num_layers} layers do not split into {pp} pipeline ranks x stages of "
+                              f"--num-layers-per-virtual-pipeline-stage {per_virtual}")  # fmt: skip
+        return num_layers // per_virtual
+    if num_layers % pp:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp} does not divide the {num_layers} layers")
+    return pp
+
+
+def trace_for_pipeline(sch: Any, task: Any, args: argparse.Namespace, layers: list[str]) -> None:
+    """Trace what lies between the root and the layers, for the micro-batch shape, so it can be cut.
+
+    Only the layers' ancestors (``transformer``, ``bert.encoder`` ...) become graphs; everything
+    else (layers, embeddings, heads) stays the HF module it was, so the schedule's plans and HF's
+    initialisation see them unchanged. The graph is specialised to ``--micro-batch-size`` x
+    ``--seq-length``, which every micro-batch has; the task's non-tensor inputs (``use_cache=False``)
+    become constants.
+    """
+    parts = layers[0].split(".")
+    ancestors = {".".join(parts[:i]) for i in range(len(parts))}
+    leaves = {type(m) for path, m in sch.mod.named_modules() if path not in ancestors
+              and path.rpartition(".")[0] in ancestors}  # fmt: skip
+    shape = (args.micro_batch_size, args.seq_length)
+
+    class ExampleBatch(dict):
+        def __missing__(self, key: str) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.long, device="meta")
+
+    example = task.inputs(ExampleBatch())
+    sch.trace(
+        example_inputs={k: v for k, v in example.items() if torch.is_tensor(v)},
+        concrete_args={k: v for k, v in example.items() if not torch.is_tensor(v)},
+        leaf_modules=sorted(leaves, key=lambda t: t.__name__),
+    )

@@ -43,10 +43,18 @@ class GPTTask:
     def build_datasets(args: argparse.Namespace, tokenizer: Any, sizes: SplitSizes) -> tuple:
         return build_gpt_datasets(args, tokenizer, sizes)
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        logits = model(input_ids=batch["tokens"], use_cache=False).logits
-        lm = masked_mean(token_losses(logits, batch["labels"], self.vocab_size, self.tp_group), batch["loss_mask"])
+    @staticmethod
+    def inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """The model's keyword arguments for ``batch``."""
+        return {"input_ids": batch["tokens"], "use_cache": False}
+
+    def criterion(self, out: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss to differentiate, and the metrics to log, from the model's output."""
+        lm = masked_mean(token_losses(out.logits, batch["labels"], self.vocab_size, self.tp_group), batch["loss_mask"])
         return lm, {"lm loss": lm.detach()}
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.criterion(model(**self.inputs(batch)), batch)
 
 
 @dataclass
@@ -62,8 +70,11 @@ class BERTTask:
     def build_datasets(args: argparse.Namespace, tokenizer: Any, sizes: SplitSizes) -> tuple:
         return build_bert_datasets(args, tokenizer, sizes)
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        out = model(input_ids=batch["text"], token_type_ids=batch["types"], attention_mask=batch["padding_mask"])
+    @staticmethod
+    def inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {"input_ids": batch["text"], "token_type_ids": batch["types"], "attention_mask": batch["padding_mask"]}
+
+    def criterion(self, out: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logits = out.prediction_logits if hasattr(out, "prediction_logits") else out.logits
         lm = masked_mean(token_losses(logits, batch["labels"], self.vocab_size, self.tp_group), batch["loss_mask"])
         metrics = {"lm loss": lm.detach()}
@@ -73,3 +84,6 @@ class BERTTask:
         sop = F.cross_entropy(order_logits.float(), batch["is_random"].long())
         metrics["sop loss"] = sop.detach()
         return lm + sop, metrics
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.criterion(model(**self.inputs(batch)), batch)

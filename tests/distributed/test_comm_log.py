@@ -45,7 +45,9 @@ def test_tp2_gpt2_bytes_per_step_equal_megatrons_count(shared_tmp):
                          "--data-cache-path", cache], tb)  # fmt: skip
     tags = last_rank_value(lambda: sorted(t for t in tb_tags(tb) if "comm" in t))
     measured = last_rank_value(lambda: tb_scalars(tb, "comm-bytes/all_reduce[tp]"))
+    norm = last_rank_value(lambda: tb_scalars(tb, "comm-bytes/all_reduce[mp]"))
     fp32 = 4
-    expected = micro * ((4 * layers + 2) * b * s * h + 3 * b * s) * fp32 + fp32
-    assert tags == ["comm-bytes/all_reduce[tp]"]  # no other collective under pure TP
+    expected = micro * ((4 * layers + 2) * b * s * h + 3 * b * s) * fp32
+    assert tags == ["comm-bytes/all_reduce[mp]", "comm-bytes/all_reduce[tp]"]  # nothing else under pure TP
     assert measured == {1: expected, 2: expected, 3: expected}, (measured, expected)
+    assert norm == {1: fp32, 2: fp32, 3: fp32}, norm

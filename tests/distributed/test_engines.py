@@ -22,6 +22,9 @@ TOLERANCE = 1e-5
 SCHEDULES = {"gpt": ["--schedule", "gpt_tp"], "bert": ["--schedule", "bert_tp"]}
 TP2 = ["--tensor-model-parallel-size", "2"]
 ZERO = ["--engine", "deepspeed", "--zero-stage"]
+MEGATRON = ["--engine", "megatron"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+MODEL = [*PARITY, "--num-layers", "4"]  # 4 layers: 2 pipeline ranks x 2 virtual stages of one layer
 
 LAYOUTS = {  # name -> (world sizes, extra flags)
     "tp2": ((2,), TP2),
@@ -31,6 +34,12 @@ LAYOUTS = {  # name -> (world sizes, extra flags)
     "zero3-tp2-dp2": ((4,), [*ZERO, "3", *TP2]),
     "fsdp-dp2": ((2,), ["--engine", "fsdp"]),
     "fsdp-tp2-dp2": ((4,), ["--engine", "fsdp", *TP2]),
+    "megatron-tp2": ((2,), [*MEGATRON, *TP2]),
+    "megatron-dp2-distopt-overlap": ((2,), [*MEGATRON, "--use-distributed-optimizer", "--overlap-grad-reduce"]),
+    "pp2-1f1b": ((2,), [*MEGATRON, *PP2]),
+    "pp2-vpp2-interleaved": ((2,), [*MEGATRON, *PP2, "--num-layers-per-virtual-pipeline-stage", "1"]),
+    "tp2-pp2": ((4,), [*MEGATRON, *TP2, *PP2]),
+    "pp2-dp2": ((4,), [*MEGATRON, *PP2]),
 }
 
 
@@ -46,7 +55,7 @@ def reference(shared_tmp, cache):
 
     def get(task: str) -> dict[int, float]:
         if task not in found:
-            argv = [*PARITY, *SCHEDULES[task], "--data-cache-path", cache]
+            argv = [*MODEL, *SCHEDULES[task], "--data-cache-path", cache]
             found[task] = single_process_losses(task, argv, os.path.join(shared_tmp, f"tb-reference-{task}"))
         return found[task]
 
@@ -63,7 +72,7 @@ def _cases():
 def test_loss_parity_with_one_process(task, flags, reference, shared_tmp, cache, request):
     expected = reference(task)
     tb = os.path.join(shared_tmp, f"tb-parity-{request.node.callspec.id}")
-    losses = train_losses(task, [*PARITY, *SCHEDULES[task], *flags, "--data-cache-path", cache], tb)
+    losses = train_losses(task, [*MODEL, *SCHEDULES[task], *flags, "--data-cache-path", cache], tb)
     assert sorted(losses) == sorted(expected) == list(range(1, 11))
     worst = max(abs(losses[i] - expected[i]) for i in expected)
     assert worst < TOLERANCE, (worst, losses, expected)

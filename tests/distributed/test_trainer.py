@@ -49,6 +49,9 @@ def test_embedded_default_run_prints_the_log_line_and_writes_tensorboard(shared_
 RESUME_CASES = {
     "gpt-tp2-fp32": ("gpt", [*TP2]),
     "bert-dp2-fp16": ("bert", ["--initial-loss-scale", "4096", "--fp16"]),  # scaler state, per-DP-rank RNG
+    "bert-ddp-fp16": ("bert", ["--engine", "ddp", "--initial-loss-scale", "4096", "--fp16"]),
+    "gpt-pp2": ("gpt", ["--pipeline-model-parallel-size", "2"]),  # one file per pipeline stage
+    "gpt-dp2-distopt": ("gpt", ["--use-distributed-optimizer"]),  # distrib_optim.pt, gathered on DP rank 0
     "gpt-zero3": ("gpt", ["--engine", "deepspeed", "--zero-stage", "3"]),  # ZeRO partitions, via DeepSpeed's files
     "gpt-fsdp-tp2": ("gpt", ["--engine", "fsdp", *TP2]),  # optimizer shards of DTensors
 }

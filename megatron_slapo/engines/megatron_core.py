@@ -1,0 +1,367 @@
+"""megatron-core's engine: its pipeline schedules, its DDP and its optimizer, around scheduled stages.
+
+The built model arrives as :class:`~megatron_slapo.pipeline.PipelineStages` (one module per
+``cut_pipeline_stage``; the trainer cuts evenly at the transformer layers) or, without pipeline
+parallelism, as the model itself. This rank keeps its stages: with ``P`` pipeline ranks and ``V``
+virtual stages each, rank ``r`` runs stages ``r, r + P, ...`` (Megatron's interleaving). Each stage
+becomes a :class:`StageChunk`, the object megatron-core's schedules expect: it takes the
+micro-batch, receives the previous stage's activation through ``set_input_tensor`` and returns the
+next one (``[s, b, h]``, Megatron's layout). Values that only depend on the inputs (attention
+masks, position ids) are recomputed by every stage rather than sent, so one tensor crosses each cut.
+
+Gradients: megatron-core's DDP accumulates them in contiguous buffers (``main_grad``) and reduces
+them over the data-parallel group (overlapped with the backward under ``--overlap-grad-reduce``);
+weights used by the first and the last stage (tied embeddings) then get their gradients summed
+over megatron-core's embedding group, so both copies stay equal. megatron-core's optimizer clips
+with the norm over all model-parallel ranks (each tied weight counted once) and, with
+``--use-distributed-optimizer``, shards its state over the data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_slapo.engines.base import Batch, StepResult, Task, average_metrics, tensor_bytes, to_device
+from megatron_slapo.errors import CheckpointError
+from megatron_slapo.parallel import cpu_compat
+from megatron_slapo.parallel.collectives import Group, group_size
+from megatron_slapo.pipeline import PipelineStages
+from megatron_slapo.training.loss_scaler import LossScaler
+from megatron_slapo.training.optimizer import build_scheduler
+
+PARAMETER_STATE = "distrib_optim.pt"  # Megatron-LM's file for the distributed optimizer's shards
+
+
+class StageChunk(nn.Module):
+    """One pipeline stage (a "model chunk") as megatron-core's schedules drive it."""
+
+    def __init__(self, stage: nn.Module, first: bool, last: bool, config: Any) -> None:
+        from megatron.core.enums import ModelType
+
+        super().__init__()
+        self.stage, self.first, self.last, self.config = stage, first, last, config
+        self.model_type = ModelType.encoder_or_decoder  # a decoder-only or encoder-only stack
+        self.input_tensor: torch.Tensor | None = None
+        names = [n.name for n in stage.graph.nodes if n.op == "placeholder"] if not first else []
+        self.input_names, self.received = set(names[:-1]), names[-1] if names else None
+
+    def set_input_tensor(self, tensors: list[torch.Tensor | None] | torch.Tensor | None) -> None:
+        """Called by the schedule before each forward with what the previous stage sent."""
+        self.input_tensor = tensors[0] if isinstance(tensors, list) else tensors
+
+    def forward(self, **inputs: Any) -> Any:
+        if self.first:
+            out = self.stage(**inputs)
+        else:
+            kept = {k: v for k, v in inputs.items() if k in self.input_names}
+            out = self.stage(**kept, **{self.received: self.input_tensor.transpose(0, 1)})
+        if self.last:
+            return out
+        return out[0].transpose(0, 1).to(self.config.pipeline_dtype).contiguous()
+
+
+class MegatronEngine:
+    """megatron-core's ``get_forward_backward_func`` over this rank's stages; its DDP and optimizer."""
+
+    def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.args, self.dp_group, self.tp_group = args, dp_group, tp_group
+        self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+        stages = model.local(self.pp_rank, self.pp_size) if isinstance(model, PipelineStages) else [(0, model)]
+        total = len(model.stages) if isinstance(model, PipelineStages) else 1
+        self.device = next(stages[0][1].parameters()).device
+        self.dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        self.scaler = None
+        if args.fp16:  # fp32 weights, fp16 autocast: the loss is scaled (by the schedule), grads unscaled here
+            static = args.loss_scale is not None
+            self.scaler = LossScaler(args.loss_scale if static else args.initial_loss_scale, static=static)
+        with cpu_compat.device_mode():
+            self.config = self._transformer_config(total)
+            self.chunks = [StageChunk(stage, k == 0, k == total - 1, self.config) for k, stage in stages]
+            self._mark_tied(model)
+            self.ddp = [self._wrap(chunk) for chunk in self.chunks]
+            self.optimizer = self._optimizer()
+        self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
+        self.scheduler = build_scheduler(self.optimizer, args)
+        no_sync = [m.no_sync for m in self.ddp]
+        self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        if self.scaler:
+            self.config.grad_scale_func = lambda loss: loss * self.scaler.scale
+        if args.overlap_grad_reduce:
+            grad_sync = [m.start_grad_sync for m in self.ddp]
+            self.config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+
+    # -- construction -----------------------------------------------------------------------------
+    def _transformer_config(self, total_stages: int) -> Any:
+        """The settings megatron-core's schedules and DDP read (p2p shapes, dtypes, VPP size)."""
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        a = self.args
+        vpp = total_stages // self.pp_size if total_stages > self.pp_size else None
+        return TransformerConfig(
+            num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+            tensor_model_parallel_size=group_size(self.tp_group), pipeline_model_parallel_size=self.pp_size,
+            virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32, params_dtype=torch.float32,
+            # With two pipeline ranks the previous and the next rank are the same peer; batched p2p then
+            # pairs the interleaved schedule's messages crosswise (cpu-feasibility.md §1): send one by one.
+            batch_p2p_comm=not (vpp and self.pp_size == 2), batch_p2p_sync=torch.cuda.is_available(),
+            use_cpu_initialization=True, gradient_accumulation_fusion=False, deallocate_pipeline_outputs=False,
+        )  # fmt: skip
+
+    def _mark_tied(self, model: nn.Module) -> None:
+        """Weights shared by the first and the last stage: remember them (their gradients are summed
+        over the embedding group) and, where this rank lacks the first stage, mark the copy
+        ``shared`` so that megatron-core's gradient norm counts it once."""
+        self.tied: list[nn.Parameter] = []
+        if not isinstance(model, PipelineStages):
+            return
+        local = {id(p) for chunk in self.chunks for p in chunk.parameters()}
+        first = {id(p) for p in model.stages[0].parameters()}
+        for name, used in sorted(model.plan.tied.items()):
+            owner = model.stages[used[0]]
+            p = dict(owner.named_parameters())[name]
+            if id(p) in local:
+                self.tied.append(p)
+                if self.pp_rank != 0 or id(p) not in first:
+                    p.shared = True
+
+    def _wrap(self, chunk: StageChunk) -> nn.Module:
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=self.args.overlap_grad_reduce,
+            use_distributed_optimizer=self.args.use_distributed_optimizer,
+        )  # fmt: skip
+        return DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=chunk)
+
+    def _optimizer(self) -> Any:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        a = self.args
+        config = OptimizerConfig(
+            optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
+            adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad, bf16=False, fp16=False,
+            params_dtype=torch.float32, use_distributed_optimizer=a.use_distributed_optimizer,
+        )  # fmt: skip
+        return get_megatron_optimizer(config, self.ddp)
+
+    # -- steps -------------------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def _forward_step(self, task: Task, data_iterator: Any, chunk: nn.Module) -> tuple[Any, Any]:
+        batch = to_device(next(data_iterator), self.device)
+        with self._autocast():
+            out = chunk(**task.inputs(batch))
+        return out, functools.partial(self._loss, task, batch)
+
+    @staticmethod
+    def _loss(task: Task, batch: Batch, out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, metrics = task.criterion(out, batch)
+        return loss, {k: v.detach().float().clone() for k, v in metrics.items()}  # the schedule scales loss in place
+
+    def _run(self, microbatches: list[Batch], task: Task, forward_only: bool) -> dict[str, float]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        iterators = [iter(microbatches) for _ in self.ddp]
+        seq_length = task.inputs(microbatches[0])["input_ids"].size(1)
+        with cpu_compat.device_mode():
+            schedule = get_forward_backward_func(self.pp_size, self.config.virtual_pipeline_model_parallel_size)
+            stored = schedule(
+                forward_step_func=functools.partial(self._forward_step, task),
+                data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=self.ddp if len(self.ddp) > 1 else self.ddp[0], num_microbatches=len(microbatches),
+                seq_length=seq_length, micro_batch_size=self.args.micro_batch_size, forward_only=forward_only,
+            )  # fmt: skip
+        return self._metrics(stored, len(microbatches))
+
+    def _metrics(self, stored: list[dict[str, torch.Tensor]], count: int) -> dict[str, float]:
+        """Per-micro-batch means, averaged over DP on the last stage, then given to every stage."""
+        from megatron.core import parallel_state as ps
+
+        metrics = None
+        if self.pp_rank == self.pp_size - 1:
+            totals: dict[str, torch.Tensor] = {}
+            for item in stored:
+                for k, v in item.items():
+                    totals[k] = totals.get(k, 0) + v
+            metrics = average_metrics(totals, count, self.dp_group)
+        if self.pp_size > 1:
+            box = [metrics]
+            last = ps.get_pipeline_model_parallel_last_rank()
+            dist.broadcast_object_list(box, src=last, group=ps.get_pipeline_model_parallel_group())
+            metrics = box[0]
+        return metrics
+
+    def _finalize_grads(self) -> None:
+        from megatron.core import parallel_state as ps
+
+        for model in self.ddp:
+            model.finish_grad_sync()
+        if self.tied and self.pp_size > 1:
+            group = ps.get_embedding_group()
+            for p in self.tied:
+                dist.all_reduce(p.main_grad, group=group)
+
+    def train_step(self, microbatches: list[Batch], task: Task) -> StepResult:
+        for model in self.ddp:
+            model.train()
+            model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        metrics = self._run(microbatches, task, forward_only=False)
+        scale = self.scaler.scale if self.scaler else 1.0
+        with cpu_compat.device_mode():
+            self._finalize_grads()
+            finite = self._unscale(scale)
+            success, grad_norm = False, None
+            if finite:
+                success, grad_norm, _ = self.optimizer.step()
+        if self.scaler:
+            self.scaler.update(found_inf=not finite)
+        if success:
+            self.scheduler.step(increment=self.args.global_batch_size)
+        params_norm = self._params_norm() if self.args.log_params_norm else None
+        return StepResult(
+            metrics=metrics, grad_norm=float(grad_norm) if success and grad_norm is not None else None,
+            loss_scale=scale, skipped=not success, overflow=not finite,
+            learning_rate=self.optimizer.param_groups[0]["lr"], params_norm=params_norm,
+        )  # fmt: skip
+
+    def _unscale(self, scale: float) -> bool:
+        """Divide the (reduced) gradients by the loss scale; whether all are finite on every
+        model-parallel rank (megatron-core's fp32 optimizer would step on an overflow)."""
+        from megatron.core import parallel_state as ps
+
+        if self.scaler is None:
+            return True
+        grads = [p.main_grad for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
+        bad = torch.zeros(1)
+        for g in grads:
+            g.div_(scale)
+            bad += (~torch.isfinite(g)).any().float()
+        dist.all_reduce(bad, group=ps.get_model_parallel_group())
+        return bad.item() == 0
+
+    def _params_norm(self) -> float:
+        from megatron.core import parallel_state as ps
+
+        from megatron_slapo.training.optimizer import global_norm
+
+        params = [p for chunk in self.chunks for p in chunk.parameters() if not getattr(p, "shared", False)]
+        squared = torch.tensor(global_norm(params, self.tp_group, of_grads=False) ** 2)
+        if self.pp_size > 1:
+            dist.all_reduce(squared, group=ps.get_pipeline_model_parallel_group())
+        return float(squared.sqrt())
+
+    @torch.no_grad()
+    def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
+        for model in self.ddp:
+            model.eval()
+        return self._run(microbatches, task, forward_only=True)
+
+    # -- accounting and checkpoints ----------------------------------------------------------------
+    def memory_report(self) -> dict[str, int]:
+        """This rank's stages; fp32 gradient buffers; AdamW's moments (a DP shard with the distributed optimizer)."""
+        params = tensor_bytes([p for chunk in self.chunks for p in chunk.parameters()])
+        optimizer = 2 * params
+        if self.args.use_distributed_optimizer:
+            optimizer //= group_size(self.dp_group)
+        return {"params": params, "grads": params, "optimizer": optimizer}
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        state: dict[str, torch.Tensor] = {}
+        for chunk in self.chunks:
+            state.update(chunk.stage.state_dict())
+        return state
+
+    def state_dict(self, directory: str, include_optimizer: bool = True) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self._model_state()}
+        if include_optimizer:
+            with cpu_compat.device_mode():
+                state["optimizer"] = self.optimizer.state_dict()
+                if self.args.use_distributed_optimizer:
+                    state["optimizer"] = {"distributed": state["optimizer"], "files": PARAMETER_STATE,
+                                          "steps": self._adam_steps()}  # fmt: skip
+                    path = self._parameter_state_file(directory)
+                    if self._dp_rank() == 0:
+                        os.makedirs(os.path.dirname(path), exist_ok=True)
+                    self.optimizer.save_parameter_state(path)  # gathered onto data-parallel rank 0
+            state["opt_param_scheduler"] = self.scheduler.state_dict()
+            if self.scaler:
+                state["grad_scaler"] = self.scaler.state_dict()
+        return state
+
+    def _adam_params(self) -> list[tuple[torch.optim.Optimizer, list[torch.Tensor]]]:
+        """The torch optimizers inside megatron-core's, with their (fp32 shard) parameters in order."""
+        inner = [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
+        return [(o, [p for group in o.param_groups for p in group["params"]]) for o in inner]
+
+    def _adam_steps(self) -> float:
+        """torch's AdamW counts steps per parameter, which megatron-core's parameter-state file
+        (written for fused Adams that count per group) leaves out. Every parameter of the
+        distributed optimizer steps together, so one count is kept (data-parallel ranks hold
+        different shards, and read the same file)."""
+        counts = [
+            float(o.state[p]["step"]) for o, params in self._adam_params() for p in params if "step" in o.state[p]
+        ]
+        return max(counts, default=0.0)
+
+    def _set_adam_steps(self, count: float) -> None:
+        for o, params in self._adam_params():
+            for p in params:
+                o.state[p]["step"] = torch.tensor(count, dtype=torch.float32)
+
+    def _dp_rank(self) -> int:
+        return dist.get_rank(self.dp_group) if group_size(self.dp_group) > 1 else 0
+
+    def _parameter_state_file(self, directory: str) -> str:
+        from megatron_slapo.training.checkpointing import Layout
+
+        return os.path.join(directory, Layout.current().rank_dir(), PARAMETER_STATE)
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any], directory: str, load_optimizer: bool = True) -> None:
+        saved = state["model"]
+        for chunk in self.chunks:
+            own = chunk.stage.state_dict()
+            missing = sorted(set(own) - set(saved))
+            if missing:
+                raise RuntimeError(f"the checkpoint lacks {missing[:5]} (saved with another pipeline layout?)")
+            chunk.stage.load_state_dict({k: saved[k] for k in own})
+        for model in self.ddp:  # the optimizer's fp32 copies and the DDP buffers follow the weights
+            model.zero_grad_buffer()
+        if not (load_optimizer and "optimizer" in state):
+            with cpu_compat.device_mode():
+                self.optimizer.reload_model_params()
+            return
+        optimizer = state["optimizer"]
+        distributed = isinstance(optimizer, dict) and "distributed" in optimizer
+        if distributed != bool(self.args.use_distributed_optimizer):
+            raise CheckpointError(
+                f"{directory} was saved {'with' if distributed else 'without'} --use-distributed-optimizer; "
+                "pass the same flag, or --no-load-optim to load only the weights"
+            )
+        with cpu_compat.device_mode():
+            if distributed:
+                self.optimizer.load_state_dict(optimizer["distributed"])
+                for torch_optimizer, params in self._adam_params():
+                    for p in params:
+                        torch_optimizer.state[p].pop("step", None)
+                self.optimizer.load_parameter_state(self._parameter_state_file(directory))
+                self._set_adam_steps(optimizer["steps"])
+            else:
+                self.optimizer.load_state_dict(optimizer)
+        self.scheduler.load_state_dict(state["opt_param_scheduler"])
+        if self.scaler and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
