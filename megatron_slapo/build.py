@@ -41,6 +41,7 @@ def build(
     device: str | torch.device | None = None,
     stages: Collection[int] | None = None,
     recompute_pipeline_inputs: bool = False,
+    after_unit: Callable[[list[nn.Module]], None] | None = None,
 ) -> nn.Module:
     """Validate ``sch`` and materialise its meta tensors shard-locally; return the module.
 
@@ -52,7 +53,8 @@ def build(
     (the stage modules, the tensors crossing each cut, the weights tied across stages). Then
     ``stages`` limits materialisation to what those stages use (a pipeline rank's own stages; the
     others keep meta tensors), and ``recompute_pipeline_inputs`` is passed on to
-    :func:`~megatron_slapo.pipeline.partition`.
+    :func:`~megatron_slapo.pipeline.partition`. ``after_unit(modules)`` is called as soon as a
+    unit's tensors are final, e.g. to partition them with ZeRO-3 before the next unit is allocated.
     """
     validate(sch)
     seed = agreed_seed(seed)
@@ -74,6 +76,8 @@ def build(
     with materializer.protect_finished_tensors():
         for unit_path, modules in _units(sch.mod, ""):
             materializer.run_unit(unit_path, modules, _derive_seed(seed, unit_path), keep)
+            if after_unit is not None:
+                after_unit([module for _, module in modules])
     if cut:
         from megatron_slapo.pipeline import partition
 

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -121,6 +122,27 @@ def _check_no_sequence_parallel(model: nn.Module) -> None:
 
 class DeepSpeedEngine:
     """``deepspeed.initialize`` around the built model; one ``train_step`` is one optimizer step."""
+
+    @staticmethod
+    def build_hook(args: argparse.Namespace, dp_group: Group, tp_group: Group) -> Callable | None:
+        """Under ZeRO-3, ``zero.Init``'s partitioning applied per build unit: each unit (a transformer
+        layer, say) is materialised, initialised by HF's own initialiser exactly as without ZeRO, then
+        partitioned over the data-parallel ranks before the next unit is allocated, so no rank ever
+        holds more than its partition plus one unit."""
+        config = deepspeed_config(args, group_size(dp_group))
+        if config["zero_optimization"]["stage"] != 3:
+            return None
+        deepspeed = _import_deepspeed()
+        # zero.Init checks batch sizes against its own world size: give it only what partitioning reads.
+        partitioning = {k: v for k, v in config.items() if k in ("zero_optimization", "fp16", "bf16")}
+        partitioning["train_micro_batch_size_per_gpu"] = args.micro_batch_size
+        init = deepspeed.zero.Init(data_parallel_group=dp_group, config_dict_or_path=partitioning)
+
+        def partition(modules: list[nn.Module]) -> None:
+            params = [p for m in modules for p in m.parameters(recurse=False)]
+            init._convert_to_zero_parameters(params)  # zero.Init(module=...) without recursing into other units
+
+        return partition
 
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
         _check_no_sequence_parallel(model)

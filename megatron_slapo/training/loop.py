@@ -166,10 +166,13 @@ def setup(args: argparse.Namespace) -> Run:
         print_rank_0(f" > note: --schedule {args.schedule} shards over --tensor-model-parallel-size 1, i.e. not at all; "
                      f"the {world} ranks are data-parallel")  # fmt: skip
     local_stages = [k for k in range(stages) if k % layout.pp_size == layout.pp_rank]
-    model = ms.build(sch, seed=args.seed, stages=local_stages, recompute_pipeline_inputs=True)
+    hook = getattr(ENGINES[args.engine], "build_hook", None)
+    after_unit = hook(args, layout.dp_group, tp_group) if hook else None  # e.g. ZeRO-3 partitions as it builds
+    model = ms.build(sch, seed=args.seed, stages=local_stages, recompute_pipeline_inputs=True, after_unit=after_unit)
     local = model.local(layout.pp_rank, layout.pp_size) if isinstance(model, PipelineStages) else [(0, model)]
     tensors = {k: v for _, stage in local for k, v in stage.state_dict(keep_vars=True).items()}
-    count = sum(p.numel() for p in {id(p): p for _, stage in local for p in stage.parameters()}.values())
+    unique = {id(p): p for _, stage in local for p in stage.parameters()}.values()
+    count = sum(getattr(p, "ds_numel", p.numel()) for p in unique)  # a ZeRO-3 parameter knows its full size
     if layout.dp_rank == 0:
         where = f"({layout.tp_rank}, {layout.pp_rank})"
         print(f" > number of parameters on (tensor, pipeline) model parallel rank {where}: {count}", flush=True)

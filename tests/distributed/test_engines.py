@@ -151,3 +151,46 @@ def test_pipeline_checkpoint_exports_the_model_one_process_trains(flags, shared_
     box = [worst]
     dist.broadcast_object_list(box, src=0)
     assert box[0] < 5e-5, box[0]
+
+
+def test_zero3_partitions_each_unit_as_it_is_built_with_hf_initialisation():
+    """``build`` hands each unit to ZeRO-3 as soon as it is initialised: no rank holds more than one
+    unit in full, and the gathered weights are exactly those of a plain build with the same seed."""
+    import deepspeed
+    from megatron.core import parallel_state
+
+    import megatron_slapo as ms
+    from megatron_slapo import parallel
+    from megatron_slapo.engines.deepspeed_zero import DeepSpeedEngine
+    from megatron_slapo.training.arguments import parse_args, validate_args
+    from tests.utils import tiny_gpt2_config
+
+    args = parse_args("gpt", [*PARITY, *ZERO, "3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+                              "--vocab-size", "100", "--lr", "1e-3"])  # fmt: skip
+    validate_args(args, dist.get_world_size())
+    parallel.initialize(1, timeout_minutes=3)
+    config = tiny_gpt2_config(n_layer=4, vocab_size=512)
+    plain = ms.build(ms.create_schedule(_meta_gpt2(config)), seed=3)
+    model = _meta_gpt2(config)
+    dp_group = parallel_state.get_data_parallel_group()
+    partition = DeepSpeedEngine.build_hook(args, dp_group, parallel.tensor_parallel_group())
+    held = []
+
+    def watch(modules):
+        held.append(sum(p.numel() for p in model.parameters() if not p.is_meta and not hasattr(p, "ds_id")))
+        partition(modules)
+
+    ms.build(ms.create_schedule(model), seed=3, after_unit=watch)
+    params = list(model.parameters())
+    assert all(hasattr(p, "ds_id") for p in params)
+    layer = sum(p.numel() for p in plain.transformer.h[0].parameters())
+    rest = sum(p.numel() for n, p in plain.named_parameters() if ".h." not in n)  # embeddings, final norm
+    assert max(held) <= max(layer, rest) < sum(p.numel() for p in plain.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+            assert torch.equal(p.detach(), q.detach()), name
+
+
+def _meta_gpt2(config):
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel(config)
