@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 from typing import Any
 
 import torch
@@ -18,9 +17,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from megatron_slapo.engines.base import Batch, StepResult, Task, accumulate, average_metrics, tensor_bytes, to_device
+from megatron_slapo.engines.local_step import LocalStep
 from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parallel_grads, group_size
-from megatron_slapo.training.loss_scaler import LossScaler
-from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, clip_grads, global_norm
+from megatron_slapo.training.optimizer import global_norm
 
 
 class DDPEngine:
@@ -32,14 +31,9 @@ class DDPEngine:
         self.wrapped = DistributedDataParallel(model, process_group=dp_group) if group_size(dp_group) > 1 else model
         if args.log_comm and self.wrapped is not model:  # the C++ reducer bypasses torch.distributed's functions
             self.wrapped.register_comm_hook(dp_group, default_hooks.allreduce_hook)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(model, args)
-        self.scheduler = build_scheduler(self.optimizer, args)
+        self.step = LocalStep(model, args)
+        self.params, self.optimizer = self.step.params, self.step.optimizer
         self.dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-        self.scaler = None
-        if args.fp16:
-            static = args.loss_scale is not None
-            self.scaler = LossScaler(args.loss_scale if static else args.initial_loss_scale, static=static)
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         if self.dtype is None:
@@ -55,7 +49,7 @@ class DDPEngine:
         self.wrapped.train()
         totals: dict[str, torch.Tensor] = {}
         n = len(microbatches)
-        scale = self.scaler.scale if self.scaler else 1.0
+        scale = self.step.loss_scale
         for i, batch in enumerate(microbatches):
             last = i == n - 1
             sync = contextlib.nullcontext() if last or self.wrapped is self.model else self.wrapped.no_sync()
@@ -65,28 +59,8 @@ class DDPEngine:
                 (loss * (scale / n)).backward()
             accumulate(totals, metrics)
         allreduce_sequence_parallel_grads(self.model, self.tp_group)
-        if scale != 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.div_(scale)
-        norm = global_norm(self.params, self.tp_group)  # the same on every rank of the model
-        finite = math.isfinite(norm)
-        if finite:
-            clip_grads(self.params, self.args.clip_grad, norm)
-            self.optimizer.step()
-            self.scheduler.step(increment=self.args.global_batch_size)
-        if self.scaler:
-            self.scaler.update(found_inf=not finite)
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(
-            metrics=average_metrics(totals, n, self.dp_group),
-            grad_norm=norm if finite else None,
-            loss_scale=scale,
-            skipped=not finite,
-            overflow=not finite and self.scaler is not None,
-            learning_rate=self.optimizer.param_groups[0]["lr"],
-            params_norm=global_norm(self.params, self.tp_group, of_grads=False) if self.args.log_params_norm else None,
-        )
+        # the norm is the same on every rank of the model
+        return self.step.finish(totals, n, self.dp_group, lambda grads: global_norm(self.params, self.tp_group, grads))
 
     @torch.no_grad()
     def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
@@ -101,16 +75,11 @@ class DDPEngine:
     def state_dict(self, directory: str, include_optimizer: bool = True) -> dict[str, Any]:
         state: dict[str, Any] = {"model": self.model.state_dict()}
         if include_optimizer:
-            state["optimizer"] = self.optimizer.state_dict()
-            state["opt_param_scheduler"] = self.scheduler.state_dict()
-            if self.scaler:
-                state["grad_scaler"] = self.scaler.state_dict()
+            state.update(optimizer=self.optimizer.state_dict(), **self.step.state_dict())
         return state
 
     def load_state_dict(self, state: dict[str, Any], directory: str, load_optimizer: bool = True) -> None:
         self.model.load_state_dict(state["model"])
         if load_optimizer and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["opt_param_scheduler"])
-            if self.scaler and "grad_scaler" in state:
-                self.scaler.load_state_dict(state["grad_scaler"])
+            self.step.load_state_dict(state)

@@ -14,7 +14,6 @@ optimizer shard goes into ``iter_XXXXXXX/fsdp/<tp/pp rank>/dp_rank_XXX.pt``.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from typing import Any
 
@@ -25,11 +24,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from megatron_slapo.engines.base import Batch, StepResult, Task, accumulate, average_metrics, tensor_bytes, to_device
+from megatron_slapo.engines.local_step import LocalStep
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.parallel.collectives import Group, group_rank, group_size
-from megatron_slapo.training.loss_scaler import LossScaler
 from megatron_slapo.training.model import transformer_layers
-from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, clip_grads, global_norm, local_part
+from megatron_slapo.training.optimizer import global_norm, local_part
 
 FILES = "fsdp"
 
@@ -55,13 +54,8 @@ class FSDPEngine:
         fully_shard(model, mesh=mesh, mp_policy=policy)
         for name, p in model.named_parameters():
             p.tensor_model_parallel = name in tensor_parallel
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(model, args)
-        self.scheduler = build_scheduler(self.optimizer, args)
-        self.scaler = None
-        if args.fp16:
-            static = args.loss_scale is not None
-            self.scaler = LossScaler(args.loss_scale if static else args.initial_loss_scale, static=static)
+        self.step = LocalStep(model, args)  # after fully_shard: over the sharded parameters
+        self.params, self.optimizer = self.step.params, self.step.optimizer
 
     def memory_report(self) -> dict[str, int]:
         """Weights, gradients (reduce-scattered) and AdamW's two moments: all this rank's shards."""
@@ -75,34 +69,13 @@ class FSDPEngine:
         self.model.train()
         totals: dict[str, torch.Tensor] = {}
         n = len(microbatches)
-        scale = self.scaler.scale if self.scaler else 1.0
+        scale = self.step.loss_scale
         for i, batch in enumerate(microbatches):
             self.model.set_requires_gradient_sync(i == n - 1)  # reduce-scatter once, after the last one
             loss, metrics = task.loss(self.model, to_device(batch, self.device))
             (loss * (scale / n)).backward()
             accumulate(totals, metrics)
-        if scale != 1.0:
-            for p in self.params:
-                if p.grad is not None:
-                    p.grad.div_(scale)
-        norm = self._norm()
-        finite = math.isfinite(norm)
-        if finite:
-            clip_grads(self.params, self.args.clip_grad, norm)
-            self.optimizer.step()
-            self.scheduler.step(increment=self.args.global_batch_size)
-        if self.scaler:
-            self.scaler.update(found_inf=not finite)
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(
-            metrics=average_metrics(totals, n, self.dp_group),
-            grad_norm=norm if finite else None,
-            loss_scale=scale,
-            skipped=not finite,
-            overflow=not finite and self.scaler is not None,
-            learning_rate=self.optimizer.param_groups[0]["lr"],
-            params_norm=self._norm(of_grads=False) if self.args.log_params_norm else None,
-        )
+        return self.step.finish(totals, n, self.dp_group, lambda grads: self._norm(of_grads=grads))
 
     @torch.no_grad()
     def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
@@ -147,9 +120,7 @@ class FSDPEngine:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save(shard, path)
             state["optimizer"] = {"files": FILES, "data_parallel_size": group_size(self.dp_group)}
-            state["opt_param_scheduler"] = self.scheduler.state_dict()
-            if self.scaler:
-                state["grad_scaler"] = self.scaler.state_dict()
+            state.update(self.step.state_dict())
         return state
 
     @torch.no_grad()
@@ -180,9 +151,7 @@ class FSDPEngine:
             for k, v in self.optimizer.state[p].items():
                 if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() > 0:
                     self.optimizer.state[p][k] = _like(v, p, local=True)
-        self.scheduler.load_state_dict(state["opt_param_scheduler"])
-        if self.scaler and "grad_scaler" in state:
-            self.scaler.load_state_dict(state["grad_scaler"])
+        self.step.load_state_dict(state)
 
 
 def _like(value: torch.Tensor, template: torch.Tensor, local: bool = False) -> torch.Tensor:

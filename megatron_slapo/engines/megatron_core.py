@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import functools
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -38,6 +39,9 @@ from megatron_slapo.training.loss_scaler import LossScaler
 from megatron_slapo.training.optimizer import build_scheduler
 
 PARAMETER_STATE = "distrib_optim.pt"  # Megatron-LM's file for the distributed optimizer's shards
+# Not actionable here: a default of TransformerConfig, and the missing apex (see the README's notes).
+warnings.filterwarnings("ignore", "full scope is deprecated", UserWarning)
+warnings.filterwarnings("ignore", "Apex is not installed", UserWarning)
 
 
 class StageChunk(nn.Module):

@@ -1,0 +1,77 @@
+"""The optimizer step shared by the engines whose gradients end up in ``p.grad`` (DDP, FSDP2).
+
+After the backward passes (and the engine's own gradient reduction): unscale (fp16), take the
+model-wide gradient norm, skip the step if it is not finite (fp16 overflow, or divergence), else
+clip, step AdamW and the LR schedule; then update the loss scale. Every rank of a model computes
+the same norm, so all skip or step together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from megatron_slapo.engines.base import StepResult, average_metrics
+from megatron_slapo.parallel.collectives import Group
+from megatron_slapo.training.loss_scaler import LossScaler
+from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, clip_grads
+
+
+class LocalStep:
+    """AdamW, the LR schedule and (``--fp16``) the loss scaler of one model; see the module doc."""
+
+    def __init__(self, model: nn.Module, args: argparse.Namespace) -> None:
+        self.args = args
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(model, args)
+        self.scheduler = build_scheduler(self.optimizer, args)
+        self.scaler = None
+        if args.fp16:
+            static = args.loss_scale is not None
+            self.scaler = LossScaler(args.loss_scale if static else args.initial_loss_scale, static=static)
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler else 1.0
+
+    def finish(self, totals: dict[str, torch.Tensor], count: int, dp_group: Group,
+               norm: Callable[[bool], float]) -> StepResult:  # fmt: skip
+        """Step on the accumulated gradients; ``norm(of_grads)`` is the engine's global norm."""
+        scale = self.loss_scale
+        if scale != 1.0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(scale)
+        grad_norm = norm(True)
+        finite = math.isfinite(grad_norm)
+        if finite:
+            clip_grads(self.params, self.args.clip_grad, grad_norm)
+            self.optimizer.step()
+            self.scheduler.step(increment=self.args.global_batch_size)
+        if self.scaler:
+            self.scaler.update(found_inf=not finite)
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(
+            metrics=average_metrics(totals, count, dp_group),
+            grad_norm=grad_norm if finite else None,
+            loss_scale=scale,
+            skipped=not finite,
+            overflow=not finite and self.scaler is not None,
+            learning_rate=self.optimizer.param_groups[0]["lr"],
+            params_norm=norm(False) if self.args.log_params_norm else None,
+        )
+
+    def state_dict(self) -> dict:
+        state = {"opt_param_scheduler": self.scheduler.state_dict()}
+        if self.scaler:
+            state["grad_scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["opt_param_scheduler"])
+        if self.scaler and "grad_scaler" in state:
+            self.scaler.load_state_dict(state["grad_scaler"])
