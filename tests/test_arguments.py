@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.training.arguments import EMBEDDED_DEFAULTS, parse_args, validate_args
@@ -95,6 +96,9 @@ def test_deepspeed_config_is_completed_from_the_flags(tmp_path):
     assert _deepspeed_config(tmp_path, {}, "--clip-grad", "0")["gradient_clipping"] == 0.0
     assert _deepspeed_config(tmp_path, {}, "--zero-stage", "3")["zero_optimization"]["stage"] == 3
     assert _deepspeed_config(tmp_path, {})["zero_optimization"]["stage"] == 1
+    fp16 = _deepspeed_config(tmp_path, {}, "--fp16", "--initial-loss-scale", "1024")["fp16"]
+    assert fp16 == {"enabled": True, "loss_scale": 0, "initial_scale_power": 10}
+    assert _deepspeed_config(tmp_path, {}, "--bf16")["bf16"] == {"enabled": True}
 
 
 @pytest.mark.parametrize(
@@ -105,8 +109,18 @@ def test_deepspeed_config_is_completed_from_the_flags(tmp_path):
         ({"zero_optimization": {"stage": 2}}, ["--zero-stage", "3"], "--zero-stage 3 contradicts stage 2"),
         ({"train_micro_batch_size_per_gpu": 4}, [], "train_micro_batch_size_per_gpu=4, but the batch flags give 2"),
         ({"bf16": {"enabled": True}}, [], "bf16 enabled=True; pass --bf16"),
+        ({"fp16": {"enabled": False}}, ["--fp16"], "fp16 enabled=False, but --fp16 is given"),
     ],
 )
 def test_deepspeed_config_contradictions(tmp_path, config, extra, message):
     with pytest.raises(ConfigError, match=message):
         _deepspeed_config(tmp_path, config, *extra)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed's CPU accelerator is the one without fp16")
+def test_deepspeed_fp16_on_cpu_is_refused_before_the_model_is_built(tmp_path):
+    from megatron_slapo.engines.deepspeed_zero import _check_precision_supported
+
+    _check_precision_supported(_deepspeed_config(tmp_path, {}, "--bf16"))
+    with pytest.raises(ConfigError, match="cannot train in fp16 on cpu"):
+        _check_precision_supported(_deepspeed_config(tmp_path, {}, "--fp16"))

@@ -104,15 +104,33 @@ def deepspeed_config(args: argparse.Namespace, dp_size: int) -> dict[str, Any]:
     # Explicit, always: DeepSpeed 0.19 would otherwise clip to norm 1.0 whatever --clip-grad says.
     config.setdefault("gradient_clipping", args.clip_grad)
     for precision, flag in (("fp16", args.fp16), ("bf16", args.bf16)):
+        if flag:  # the flag alone is enough; a JSON section only refines it
+            config.setdefault(precision, {}).setdefault("enabled", True)
         enabled = config.get(precision, {}).get("enabled", False)
         if enabled != flag:
-            raise ConfigError(f"--deepspeed-config has {precision} enabled={enabled}; pass --{precision} to match")
+            what = f"--deepspeed-config has {precision} enabled={enabled}"
+            raise ConfigError(
+                f"{what}; pass --{precision} to match" if enabled else f"{what}, but --{precision} is given"
+            )
     if args.fp16:
         fp16 = config["fp16"]
         fp16.setdefault("loss_scale", args.loss_scale or 0)  # 0: dynamic
         fp16.setdefault("initial_scale_power", int(math.log2(args.initial_loss_scale)))
     config.setdefault("steps_per_print", 2**31)  # the trainer prints its own log line
     return config
+
+
+def _check_precision_supported(config: dict[str, Any]) -> None:
+    """DeepSpeed's CPU accelerator has no fp16 path: say so before the model is built, not in initialize."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    for precision, supported in (("fp16", accelerator.is_fp16_supported), ("bf16", accelerator.is_bf16_supported)):
+        if config.get(precision, {}).get("enabled", False) and not supported():
+            raise ConfigError(
+                f"--engine deepspeed cannot train in {precision} on {accelerator.device_name()}: DeepSpeed does not "
+                "support it there; use --bf16, or --engine megatron/fsdp/ddp for --fp16"
+            )
 
 
 def _check_no_sequence_parallel(model: nn.Module) -> None:
@@ -129,10 +147,11 @@ class DeepSpeedEngine:
         layer, say) is materialised, initialised by HF's own initialiser exactly as without ZeRO, then
         partitioned over the data-parallel ranks before the next unit is allocated, so no rank ever
         holds more than its partition plus one unit."""
+        deepspeed = _import_deepspeed()
         config = deepspeed_config(args, group_size(dp_group))
+        _check_precision_supported(config)  # the trainer calls this hook before it builds the model
         if config["zero_optimization"]["stage"] != 3:
             return None
-        deepspeed = _import_deepspeed()
         # zero.Init checks batch sizes against its own world size: give it only what partitioning reads.
         partitioning = {k: v for k, v in config.items() if k in ("zero_optimization", "fp16", "bf16")}
         partitioning["train_micro_batch_size_per_gpu"] = args.micro_batch_size
@@ -149,6 +168,7 @@ class DeepSpeedEngine:
         deepspeed = _import_deepspeed()
         self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
         self.config = deepspeed_config(args, group_size(dp_group))
+        _check_precision_supported(self.config)
         self.stage = self.config["zero_optimization"]["stage"]
         self.ds, self.optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=build_optimizer(model, args), config=self.config, mpu=_MPU(dp_group, tp_group)

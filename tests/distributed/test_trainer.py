@@ -275,8 +275,17 @@ def test_a_diverging_run_stops_with_a_clear_message(cache, rank, capsys):
         ("gpt", [*TP2, "--recompute-granularity", "full", "--log-memory-to-tensorboard"], ["mem-max-rss-bytes"]),
         ("bert", ["--model-type", "roberta", "--schedule", "bert_tp", "--tensor-model-parallel-size", "2"], []),
         ("bert", ["--model-type", "albert", "--fp16", "--bert-no-binary-head", "--initial-loss-scale", "1024"], []),
+        ("gpt", ["--engine", "deepspeed", "--zero-stage", "3", "--bf16"], []),
+        ("gpt", ["--engine", "fsdp", "--fp16", "--initial-loss-scale", "1024"], []),
     ],
-    ids=["mock-bf16-norms-timers", "recompute-memory", "roberta-tp2", "albert-fp16-mlm-only"],
+    ids=[
+        "mock-bf16-norms-timers",
+        "recompute-memory",
+        "roberta-tp2",
+        "albert-fp16-mlm-only",
+        "zero3-bf16",
+        "fsdp-fp16",
+    ],
 )
 def test_training_options_run(task, argv, tags, shared_tmp, cache):
     tb = os.path.join(shared_tmp, "tb-options", "-".join(a.strip("-") for a in argv[:4]))
