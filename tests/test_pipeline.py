@@ -77,3 +77,23 @@ def test_stages_keep_dropout_mode_and_layers_used_by_checkpointed_parts():
         expected = reference(IDS, use_cache=False).logits
         torch.manual_seed(5)
         assert torch.equal(pipeline(input_ids=IDS, use_cache=False).logits, expected), mode
+
+
+def test_megatron_engine_refuses_plans_its_schedules_cannot_run():
+    from megatron_slapo.engines.megatron_core import _check_plan
+    from megatron_slapo.errors import ConfigError
+
+    def cut(*paths):
+        sch = ms.create_schedule(transformers.GPT2LMHeadModel(tiny_gpt2_config(n_layer=4)))
+        sch.trace(example_inputs={"input_ids": IDS}, concrete_args={"use_cache": False})
+        for path in paths:
+            sch[path].cut_pipeline_stage()
+        return ms.build(sch, recompute_pipeline_inputs=True)
+
+    pipeline = cut("transformer.h.1", "transformer.h.2")
+    _check_plan(pipeline)  # one hidden state per cut; the embedding shared by the first and last stage
+    pipeline.plan.tied["transformer.h.0.ln_1.weight"] = [0, 1]
+    with pytest.raises(ConfigError, match=r"used by pipeline stages \[0, 1\]; only the first and the last"):
+        _check_plan(pipeline)
+    with pytest.raises(ConfigError, match="cut_pipeline_stage at 'transformer.h.1.mlp': 2 values cross it"):
+        _check_plan(cut("transformer.h.1.mlp"))  # the residual and the normalised input both cross

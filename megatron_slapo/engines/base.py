@@ -3,8 +3,8 @@
 The trainer hands an engine the built model and the arguments, then only ever asks it to run one
 training step over a list of micro-batches, to evaluate, and for its state (for checkpoints).
 Checkpoint state comes in two parts: ``state_dict`` returns what goes into Megatron's
-``model_optim_rng.pt`` (always the full, TP-local model weights, so that export and resharding
-work for every engine), and an engine whose optimizer is partitioned across ranks (ZeRO, FSDP)
+``model_optim_rng.pt`` (always the full TP-local weights of this rank's pipeline stages, never a
+data-parallel partition, so that export and resharding work for every engine), and an engine whose optimizer is partitioned across ranks (ZeRO, FSDP)
 additionally writes its own files into the iteration's directory.
 Everything engine-specific (wrapping, gradient reduction, optimizer, LR schedule, loss scaling)
 stays behind this interface, so the trainer is the same for every engine.
@@ -12,6 +12,8 @@ stays behind this interface, so the trainer is the same for every engine.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_slapo.errors import ConfigError
 from megatron_slapo.parallel.collectives import Group, group_size
 
 Batch = dict[str, torch.Tensor]
@@ -101,3 +104,31 @@ def average_metrics(totals: dict[str, torch.Tensor], count: int, dp_group: Group
 
 def tensor_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def autocast(args: argparse.Namespace, device: torch.device) -> contextlib.AbstractContextManager:
+    """Megatron's ``--bf16``/``--fp16`` as autocast around the forward: fp32 master weights, matmuls
+    in the low precision; a no-op in fp32."""
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def refuse_sequence_parallel(model: nn.Module, engine: str) -> None:
+    """Engines that reduce gradients only over data-parallel ranks would leave the tensor-parallel
+    partial sums of sequence-parallel weights (norms) unreduced: refuse rather than train wrongly."""
+    if any(getattr(p, "sequence_parallel", False) for p in model.parameters()):
+        raise ConfigError(f"--engine {engine} cannot reduce sequence-parallel gradients; use --engine ddp")
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, microbatches: list[Batch], task: Task, device: torch.device, dp_group: Group,
+             precision: contextlib.AbstractContextManager | None = None) -> dict[str, float]:  # fmt: skip
+    """Forward-only pass of an engine that runs the whole model on each rank: metrics averaged
+    over the micro-batches and the data-parallel ranks."""
+    model.eval()
+    totals: dict[str, torch.Tensor] = {}
+    for batch in microbatches:
+        with precision or contextlib.nullcontext():
+            _, metrics = task.loss(model, to_device(batch, device))
+        accumulate(totals, metrics)
+    return average_metrics(totals, len(microbatches), dp_group)

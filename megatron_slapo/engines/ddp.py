@@ -16,7 +16,16 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from megatron_slapo.engines.base import Batch, StepResult, Task, accumulate, average_metrics, tensor_bytes, to_device
+from megatron_slapo.engines.base import (
+    Batch,
+    StepResult,
+    Task,
+    accumulate,
+    autocast,
+    evaluate,
+    tensor_bytes,
+    to_device,
+)
 from megatron_slapo.engines.local_step import LocalStep
 from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parallel_grads, group_size
 from megatron_slapo.training.optimizer import global_norm
@@ -33,12 +42,6 @@ class DDPEngine:
             self.wrapped.register_comm_hook(dp_group, default_hooks.allreduce_hook)
         self.step = LocalStep(model, args)
         self.params, self.optimizer = self.step.params, self.step.optimizer
-        self.dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
 
     def memory_report(self) -> dict[str, int]:
         """Replicated: full (TP-local) fp32 weights and gradients; AdamW keeps two moments per weight."""
@@ -54,7 +57,7 @@ class DDPEngine:
             last = i == n - 1
             sync = contextlib.nullcontext() if last or self.wrapped is self.model else self.wrapped.no_sync()
             with sync:
-                with self._autocast():
+                with autocast(self.args, self.device):
                     loss, metrics = task.loss(self.wrapped, to_device(batch, self.device))
                 (loss * (scale / n)).backward()
             accumulate(totals, metrics)
@@ -62,15 +65,8 @@ class DDPEngine:
         # the norm is the same on every rank of the model
         return self.step.finish(totals, n, self.dp_group, lambda grads: global_norm(self.params, self.tp_group, grads))
 
-    @torch.no_grad()
     def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
-        self.wrapped.eval()
-        totals: dict[str, torch.Tensor] = {}
-        for batch in microbatches:
-            with self._autocast():
-                _, metrics = task.loss(self.model, to_device(batch, self.device))
-            accumulate(totals, metrics)
-        return average_metrics(totals, len(microbatches), self.dp_group)
+        return evaluate(self.model, microbatches, task, self.device, self.dp_group, autocast(self.args, self.device))
 
     def state_dict(self, directory: str, include_optimizer: bool = True) -> dict[str, Any]:
         state: dict[str, Any] = {"model": self.model.state_dict()}

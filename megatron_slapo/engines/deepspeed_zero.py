@@ -26,7 +26,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_slapo.engines.base import Batch, StepResult, Task, accumulate, average_metrics, tensor_bytes, to_device
+from megatron_slapo.engines.base import (
+    Batch,
+    StepResult,
+    Task,
+    accumulate,
+    average_metrics,
+    evaluate,
+    refuse_sequence_parallel,
+    tensor_bytes,
+    to_device,
+)
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.parallel.collectives import Group, group_rank, group_size
 from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, global_norm, local_part
@@ -102,7 +112,11 @@ def deepspeed_config(args: argparse.Namespace, dp_size: int) -> dict[str, Any]:
             raise ConfigError(f"--deepspeed-config has {key}={config[key]}, but the batch flags give {value}")
         config[key] = value
     # Explicit, always: DeepSpeed 0.19 would otherwise clip to norm 1.0 whatever --clip-grad says.
-    config.setdefault("gradient_clipping", args.clip_grad)
+    if config.setdefault("gradient_clipping", args.clip_grad) != args.clip_grad:
+        raise ConfigError(
+            f"--deepspeed-config has gradient_clipping={config['gradient_clipping']}, but --clip-grad is "
+            f"{args.clip_grad}; pass --clip-grad {config['gradient_clipping']}"
+        )
     for precision, flag in (("fp16", args.fp16), ("bf16", args.bf16)):
         if flag:  # the flag alone is enough; a JSON section only refines it
             config.setdefault(precision, {}).setdefault("enabled", True)
@@ -133,11 +147,6 @@ def _check_precision_supported(config: dict[str, Any]) -> None:
             )
 
 
-def _check_no_sequence_parallel(model: nn.Module) -> None:
-    if any(getattr(p, "sequence_parallel", False) for p in model.parameters()):
-        raise ConfigError("--engine deepspeed cannot reduce sequence-parallel gradients; use --engine ddp")
-
-
 class DeepSpeedEngine:
     """``deepspeed.initialize`` around the built model; one ``train_step`` is one optimizer step."""
 
@@ -164,7 +173,7 @@ class DeepSpeedEngine:
         return partition
 
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
-        _check_no_sequence_parallel(model)
+        refuse_sequence_parallel(model, "deepspeed")
         deepspeed = _import_deepspeed()
         self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
         self.config = deepspeed_config(args, group_size(dp_group))
@@ -232,14 +241,8 @@ class DeepSpeedEngine:
             else None,
         )
 
-    @torch.no_grad()
     def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
-        self.ds.eval()
-        totals: dict[str, torch.Tensor] = {}
-        for batch in microbatches:
-            _, metrics = task.loss(self.ds, to_device(batch, self.device))
-            accumulate(totals, metrics)
-        return average_metrics(totals, len(microbatches), self.dp_group)
+        return evaluate(self.ds, microbatches, task, self.device, self.dp_group)
 
     # ----------------------------------------------------------------------------------------------
     def _named_params(self) -> dict[int, tuple[nn.Parameter, list[str]]]:

@@ -23,9 +23,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from megatron_slapo.engines.base import Batch, StepResult, Task, accumulate, average_metrics, tensor_bytes, to_device
+from megatron_slapo.engines.base import (
+    Batch,
+    StepResult,
+    Task,
+    accumulate,
+    evaluate,
+    refuse_sequence_parallel,
+    tensor_bytes,
+    to_device,
+)
 from megatron_slapo.engines.local_step import LocalStep
-from megatron_slapo.errors import CheckpointError, ConfigError
+from megatron_slapo.errors import CheckpointError
 from megatron_slapo.parallel.collectives import Group, group_rank, group_size
 from megatron_slapo.training.model import transformer_layers
 from megatron_slapo.training.optimizer import global_norm, local_part
@@ -41,13 +50,15 @@ class FSDPEngine:
     """FSDP2 over the data-parallel group; AdamW and the LR schedule as with ``--engine ddp``."""
 
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
-        if any(getattr(p, "sequence_parallel", False) for p in model.parameters()):
-            raise ConfigError("--engine fsdp cannot reduce sequence-parallel gradients; use --engine ddp")
+        refuse_sequence_parallel(model, "fsdp")
         self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
         self.device = next(model.parameters()).device
         tensor_parallel = _tensor_parallel_names(model)  # fully_shard replaces the parameters: keep the tags
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-        mesh = DeviceMesh.from_group(dp_group, self.device.type)
+        # torch compares meshes by ranks and names, not by process group, and DTensor caches specs by
+        # that equality: a mesh over the same ranks from an earlier initialisation (whose groups are
+        # destroyed since) would be reused. The group's own name in the dimension name keeps them apart.
+        mesh = DeviceMesh.from_group(dp_group, self.device.type, mesh_dim_names=(f"dp-{dp_group.group_name}",))
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         for path in transformer_layers(model, model.config.num_hidden_layers):
             fully_shard(model.get_submodule(path), mesh=mesh, mp_policy=policy)
@@ -77,14 +88,8 @@ class FSDPEngine:
             accumulate(totals, metrics)
         return self.step.finish(totals, n, self.dp_group, lambda grads: self._norm(of_grads=grads))
 
-    @torch.no_grad()
     def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
-        self.model.eval()
-        totals: dict[str, torch.Tensor] = {}
-        for batch in microbatches:
-            _, metrics = task.loss(self.model, to_device(batch, self.device))
-            accumulate(totals, metrics)
-        return average_metrics(totals, len(microbatches), self.dp_group)
+        return evaluate(self.model, microbatches, task, self.device, self.dp_group)
 
     # ----------------------------------------------------------------------------------------------
     def _optimizer_file(self, directory: str) -> str:
@@ -111,11 +116,11 @@ class FSDPEngine:
     def state_dict(self, directory: str, include_optimizer: bool = True) -> dict[str, Any]:
         state: dict[str, Any] = {"model": self.full_state_dict()}
         if include_optimizer:
-            shard = self.optimizer.state_dict()
-            for values in shard["state"].values():
-                for k, v in values.items():
-                    if isinstance(v, DTensor):
-                        values[k] = v.to_local()
+            shard = self.optimizer.state_dict()  # its per-parameter dicts are the live state: copy, not edit
+            shard["state"] = {
+                index: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in values.items()}
+                for index, values in shard["state"].items()
+            }
             path = self._optimizer_file(directory)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             torch.save(shard, path)

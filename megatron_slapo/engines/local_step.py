@@ -17,7 +17,7 @@ from torch import nn
 
 from megatron_slapo.engines.base import StepResult, average_metrics
 from megatron_slapo.parallel.collectives import Group
-from megatron_slapo.training.loss_scaler import LossScaler
+from megatron_slapo.training.loss_scaler import loss_scaler_for
 from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, clip_grads
 
 
@@ -29,10 +29,7 @@ class LocalStep:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(model, args)
         self.scheduler = build_scheduler(self.optimizer, args)
-        self.scaler = None
-        if args.fp16:
-            static = args.loss_scale is not None
-            self.scaler = LossScaler(args.loss_scale if static else args.initial_loss_scale, static=static)
+        self.scaler = loss_scaler_for(args)
 
     @property
     def loss_scale(self) -> float:

@@ -20,8 +20,8 @@ with the norm over all model-parallel ranks (each tied weight counted once) and,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
+import math
 import os
 import warnings
 from typing import Any
@@ -30,12 +30,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_slapo.engines.base import Batch, StepResult, Task, average_metrics, tensor_bytes, to_device
-from megatron_slapo.errors import CheckpointError
+from megatron_slapo.engines.base import (
+    Batch,
+    StepResult,
+    Task,
+    autocast,
+    average_metrics,
+    refuse_sequence_parallel,
+    tensor_bytes,
+    to_device,
+)
+from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.parallel import cpu_compat
 from megatron_slapo.parallel.collectives import Group, group_size
 from megatron_slapo.pipeline import PipelineStages
-from megatron_slapo.training.loss_scaler import LossScaler
+from megatron_slapo.training.loss_scaler import loss_scaler_for
 from megatron_slapo.training.optimizer import build_scheduler
 
 PARAMETER_STATE = "distrib_optim.pt"  # Megatron-LM's file for the distributed optimizer's shards
@@ -72,6 +81,24 @@ class StageChunk(nn.Module):
         return out[0].transpose(0, 1).to(self.config.pipeline_dtype).contiguous()
 
 
+def _check_plan(model: PipelineStages) -> None:
+    """What megatron-core's schedules can run: one activation through each cut (the p2p buffers
+    are one ``[s, b, h]`` tensor), and weights shared only by the first and the last stage (the
+    embedding group joins only those ranks)."""
+    plan, last = model.plan, len(model.stages) - 1
+    for path, values in zip(plan.cut_paths, plan.crossing, strict=True):
+        if len(values) != 1:
+            raise ConfigError(
+                f"cut_pipeline_stage at {path!r}: {len(values)} values cross it ({', '.join(values)}); "
+                "megatron-core's pipeline sends one activation per cut: cut between transformer layers"
+            )
+    for name, used in sorted(plan.tied.items()):
+        if not set(used) <= {0, last}:
+            raise ConfigError(
+                f"{name} is used by pipeline stages {used}; only the first and the last may share weights"
+            )
+
+
 class MegatronEngine:
     """megatron-core's ``get_forward_backward_func`` over this rank's stages; its DDP and optimizer."""
 
@@ -80,14 +107,13 @@ class MegatronEngine:
 
         self.args, self.dp_group, self.tp_group = args, dp_group, tp_group
         self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+        refuse_sequence_parallel(model, "megatron")
+        if isinstance(model, PipelineStages):
+            _check_plan(model)
         stages = model.local(self.pp_rank, self.pp_size) if isinstance(model, PipelineStages) else [(0, model)]
         total = len(model.stages) if isinstance(model, PipelineStages) else 1
         self.device = next(stages[0][1].parameters()).device
-        self.dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
-        self.scaler = None
-        if args.fp16:  # fp32 weights, fp16 autocast: the loss is scaled (by the schedule), grads unscaled here
-            static = args.loss_scale is not None
-            self.scaler = LossScaler(args.loss_scale if static else args.initial_loss_scale, static=static)
+        self.scaler = loss_scaler_for(args)  # --fp16: the schedule scales the loss, the step unscales the grads
         with cpu_compat.device_mode():
             self.config = self._transformer_config(total)
             self.chunks = [StageChunk(stage, k == 0, k == total - 1, self.config) for k, stage in stages]
@@ -124,7 +150,9 @@ class MegatronEngine:
     def _mark_tied(self, model: nn.Module) -> None:
         """Weights shared by the first and the last stage: remember them (their gradients are summed
         over the embedding group) and, where this rank lacks the first stage, mark the copy
-        ``shared`` so that megatron-core's gradient norm counts it once."""
+        ``shared`` so that megatron-core's gradient norm counts it once. ``shared_embedding`` gives
+        each copy a gradient bucket of its own, so that under the distributed optimizer both stages
+        shard it alike and the tie's all-reduce adds matching, already DP-reduced, shards."""
         self.tied: list[nn.Parameter] = []
         if not isinstance(model, PipelineStages):
             return
@@ -135,6 +163,7 @@ class MegatronEngine:
             p = dict(owner.named_parameters())[name]
             if id(p) in local:
                 self.tied.append(p)
+                p.shared_embedding = True
                 if self.pp_rank != 0 or id(p) not in first:
                     p.shared = True
 
@@ -159,14 +188,9 @@ class MegatronEngine:
         return get_megatron_optimizer(config, self.ddp)
 
     # -- steps -------------------------------------------------------------------------------------
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
-
     def _forward_step(self, task: Task, data_iterator: Any, chunk: nn.Module) -> tuple[Any, Any]:
         batch = to_device(next(data_iterator), self.device)
-        with self._autocast():
+        with autocast(self.args, self.device):
             out = chunk(**task.inputs(batch))
         return out, functools.partial(self._loss, task, batch)
 
@@ -227,35 +251,42 @@ class MegatronEngine:
         scale = self.scaler.scale if self.scaler else 1.0
         with cpu_compat.device_mode():
             self._finalize_grads()
-            finite = self._unscale(scale)
-            success, grad_norm = False, None
+            grad_norm = self._unscaled_grad_norm(scale)
+            finite = math.isfinite(grad_norm)
             if finite:
-                success, grad_norm, _ = self.optimizer.step()
+                self._clip(grad_norm)
+                finite = self.optimizer.step_with_ready_grads()
         if self.scaler:
             self.scaler.update(found_inf=not finite)
-        if success:
+        if finite:
             self.scheduler.step(increment=self.args.global_batch_size)
         params_norm = self._params_norm() if self.args.log_params_norm else None
         return StepResult(
-            metrics=metrics, grad_norm=float(grad_norm) if success and grad_norm is not None else None,
-            loss_scale=scale, skipped=not success, overflow=not finite,
-            learning_rate=self.optimizer.param_groups[0]["lr"], params_norm=params_norm,
+            metrics=metrics, grad_norm=grad_norm if finite else None, loss_scale=scale, skipped=not finite,
+            overflow=not finite and self.scaler is not None, learning_rate=self.optimizer.param_groups[0]["lr"],
+            params_norm=params_norm,
         )  # fmt: skip
 
-    def _unscale(self, scale: float) -> bool:
-        """Divide the (reduced) gradients by the loss scale; whether all are finite on every
-        model-parallel rank (megatron-core's fp32 optimizer would step on an overflow)."""
-        from megatron.core import parallel_state as ps
+    def _unscaled_grad_norm(self, scale: float) -> float:
+        """Divide the reduced gradients by the loss scale and hand them to the optimizer; their
+        global norm, over megatron-core's gradient-statistics group (model-parallel ranks, and the
+        data-parallel ones whose shards the distributed optimizer owns). It is NaN or inf exactly
+        when some gradient is, on any rank: the step is then skipped everywhere (megatron-core's own
+        ``step`` would apply it in fp32 and bf16, where it has no loss scaler to check)."""
+        if scale != 1.0:
+            for chunk in self.chunks:
+                for p in chunk.parameters():
+                    if p.requires_grad:
+                        p.main_grad.div_(scale)
+        self.optimizer.prepare_grads()  # main_grad -> the fp32 (shard's) .grad; no scaler of its own
+        return float(self.optimizer.get_grad_norm())
 
-        if self.scaler is None:
-            return True
-        grads = [p.main_grad for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
-        bad = torch.zeros(1)
-        for g in grads:
-            g.div_(scale)
-            bad += (~torch.isfinite(g)).any().float()
-        dist.all_reduce(bad, group=ps.get_model_parallel_group())
-        return bad.item() == 0
+    def _clip(self, grad_norm: float) -> None:
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        if self.args.clip_grad > 0:
+            for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+                clip_grad_by_total_norm_fp32(optimizer.get_parameters(), self.args.clip_grad, grad_norm)
 
     def _params_norm(self) -> float:
         from megatron.core import parallel_state as ps

@@ -9,6 +9,7 @@ tensor x pipeline x data parallel with megatron-core, and seeds the RNG streams.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 
@@ -22,6 +23,34 @@ def _megatron_initialized() -> bool:
     # Avoid importing megatron-core (seconds) just to learn that nobody initialised it.
     ps = sys.modules.get("megatron.core.parallel_state")
     return ps is not None and ps.model_parallel_is_initialized()
+
+
+def _destroy_model_parallel() -> None:
+    """megatron-core's ``destroy_model_parallel``, but also shutting its process groups down: it
+    only forgets them, and each gloo group keeps threads alive, so a process that initialises
+    again and again (a test suite, a notebook) would pile up thousands of them."""
+    from megatron.core import parallel_state as ps
+
+    groups: dict[int, dist.ProcessGroup] = {}
+
+    def collect(value: object) -> None:
+        if isinstance(value, dist.ProcessGroup):
+            groups[id(value)] = value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                collect(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                collect(item)
+
+    for value in vars(ps).values():
+        collect(value)
+    ps.destroy_model_parallel()
+    for group in groups.values():
+        if group is not dist.group.WORLD and group in dist.distributed_c10d._world.pg_map:
+            dist.destroy_process_group(group)
+    groups.clear()
+    gc.collect()  # a group sits in reference cycles: its threads end when it is collected
 
 
 def initialize(
@@ -63,7 +92,7 @@ def initialize(
             f"pipeline_parallel ({pipeline_parallel})"
         )
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        _destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
@@ -75,9 +104,7 @@ def initialize(
 def destroy() -> None:
     """Tear down megatron-core's groups and the process group (for tests and clean exits)."""
     if _megatron_initialized():
-        from megatron.core import parallel_state as ps
-
-        ps.destroy_model_parallel()
+        _destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
 

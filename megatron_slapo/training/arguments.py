@@ -207,6 +207,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"global batch size ({args.global_batch_size}) is not divisible by micro batch size "
             f"({args.micro_batch_size}) x data-parallel size ({dp})"
         )
+    microbatches = args.global_batch_size // (args.micro_batch_size * dp)
+    if args.num_layers_per_virtual_pipeline_stage and microbatches % pp:
+        raise ConfigError(
+            f"the interleaved schedule needs a multiple of --pipeline-model-parallel-size ({pp}) micro-batches "
+            f"per step; global batch size {args.global_batch_size} gives {microbatches}"
+        )
     if not 0 <= args.min_lr <= args.lr:
         raise ConfigError(f"--min-lr {args.min_lr} must lie between 0 and --lr {args.lr}")
     if args.bf16 and args.fp16:

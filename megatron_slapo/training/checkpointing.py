@@ -5,12 +5,13 @@ Layout (Megatron-LM's legacy format)::
     SAVE/latest_checkpointed_iteration.txt
     SAVE/iter_0000100/mp_rank_00/model_optim_rng.pt        (one file per TP rank; _PPP with PP)
 
-Each file holds this TP rank's model shards (full, whatever the engine), the optimizer, LR scheduler
-and loss-scaler state (engines that partition the optimizer across data-parallel ranks, ZeRO and
-FSDP, write that into their own files in the iteration directory and keep a pointer here), the
-RNG states of every data-parallel rank, the iteration and the consumed samples (the data
-position), plus what export needs: each tensor's shard layout, the HF config and the vocabulary
-padding. An iteration is written into ``iter_XXXXXXX.tmp`` and renamed when every rank is done;
+Each file holds this TP rank's whole model shards, whatever the engine (with PP, those of its
+pipeline stages; a run with PP also loads the weights of a checkpoint saved without), the
+optimizer, LR scheduler and loss-scaler state (engines that partition the optimizer across
+data-parallel ranks, ZeRO and FSDP, write that into their own files in the iteration directory and
+keep a pointer here), the RNG states of every data-parallel rank, the iteration and the consumed
+samples (the data position), plus what export needs: each tensor's shard layout, the HF config and
+the vocabulary padding. An iteration is written into ``iter_XXXXXXX.tmp`` and renamed when every rank is done;
 ``latest_checkpointed_iteration.txt`` is replaced only after that, so a run killed mid-save
 resumes from the previous checkpoint. Files are read with ``torch.load(weights_only=True)``.
 """
@@ -185,6 +186,9 @@ def checkpoint_file(load_dir: str, layout: Layout) -> str | None:
     if iteration is None:
         return None
     path = os.path.join(iteration_dir(load_dir, iteration), layout.rank_dir(), FILENAME)
+    whole = os.path.join(iteration_dir(load_dir, iteration), f"mp_rank_{layout.tp_rank:02d}", FILENAME)
+    if not os.path.isfile(path) and layout.pp_size > 1 and os.path.isfile(whole):
+        return whole  # saved without pipeline parallelism: every stage takes its weights from the whole model
     if not os.path.isfile(path):
         saved = (
             sorted(os.listdir(iteration_dir(load_dir, iteration)))
@@ -193,7 +197,8 @@ def checkpoint_file(load_dir: str, layout: Layout) -> str | None:
         )
         raise CheckpointError(
             f"checkpoint {path} is missing (saved: {saved or 'nothing'}); was it written with another "
-            f"tensor/pipeline-parallel size? tools/convert_checkpoint.py converts between sizes"
+            f"tensor/pipeline-parallel size? tools/convert_checkpoint.py to-hf merges any layout, and from-hf "
+            "writes any tensor-parallel size"
         )
     return path
 
@@ -216,6 +221,11 @@ def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str) ->
     if load_optimizer and "optimizer" not in state and state.get("iteration", 0) > 0 and dist.get_rank() == 0:
         print(f" > WARNING: {path} has no optimizer state (saved with --no-save-optim): the optimizer and the LR "
               "schedule start afresh", flush=True)  # fmt: skip
+    if load_optimizer and "optimizer" in state and os.path.basename(os.path.dirname(path)) != layout.rank_dir():
+        raise CheckpointError(
+            f"{path} was saved without pipeline parallelism: its optimizer state does not fit the pipeline stages; "
+            "pass --no-load-optim (or --finetune) to load only the weights"
+        )
     saved_engine = state.get("engine") or "ddp"
     if load_optimizer and "optimizer" in state and saved_engine != args.engine:
         raise CheckpointError(

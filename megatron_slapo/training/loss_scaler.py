@@ -9,6 +9,8 @@ torch's ``GradScaler`` decides overflow per rank.
 
 from __future__ import annotations
 
+import argparse
+
 
 class LossScaler:
     """Dynamic (Megatron's DynamicGradScaler) or, with ``static=True``, constant loss scale."""
@@ -46,3 +48,12 @@ class LossScaler:
     def load_state_dict(self, state: dict) -> None:
         self.scale = state["scale"]
         self._growth_tracker, self._hysteresis_tracker = state["growth_tracker"], state["hysteresis_tracker"]
+
+
+def loss_scaler_for(args: argparse.Namespace) -> LossScaler | None:
+    """The scaler Megatron's flags ask for: ``--loss-scale`` fixes it, else dynamic from
+    ``--initial-loss-scale``; None without ``--fp16`` (bf16 and fp32 need none)."""
+    if not args.fp16:
+        return None
+    static = args.loss_scale is not None
+    return LossScaler(args.loss_scale if static else args.initial_loss_scale, static=static)

@@ -40,6 +40,8 @@ LAYOUTS = {  # name -> (world sizes, extra flags)
     "pp2-vpp2-interleaved": ((2,), [*MEGATRON, *PP2, "--num-layers-per-virtual-pipeline-stage", "1"]),
     "tp2-pp2": ((4,), [*MEGATRON, *TP2, *PP2]),
     "pp2-dp2": ((4,), [*MEGATRON, *PP2]),
+    # Tied embeddings: the reduce-scatter leaves each rank its shard; the tie's all-reduce must add like shards.
+    "pp2-dp2-distopt": ((4,), [*MEGATRON, *PP2, "--use-distributed-optimizer"]),
 }
 
 

@@ -70,15 +70,34 @@ def test_resume_continues_with_the_same_losses(shared_tmp, cache, case):
         os.makedirs(checkpointing.iteration_dir(ck, 8) + ".tmp/mp_rank_00")
         open(checkpointing.iteration_dir(ck, 8) + ".tmp/mp_rank_00/model_optim_rng.pt.partial", "wb").write(b"\0" * 99)
     dist.barrier()
-    pretrain(task, [*run, "--tensorboard-dir", f"{tb}/b", "--save", ck, "--load", ck])
+    # Saving at iteration 6 and training on checks that a save leaves the engine's state as it was.
+    pretrain(task, [*run, "--tensorboard-dir", f"{tb}/b", "--save", ck, "--load", ck, "--save-interval", "2"])
     full = last_rank_value(lambda: tb_scalars(f"{tb}/full", "lm loss"))
     parts = last_rank_value(lambda: {**tb_scalars(f"{tb}/a", "lm loss"), **tb_scalars(f"{tb}/b", "lm loss")})
     assert sorted(parts) == sorted(full) == list(range(1, 9))
     assert max(abs(parts[i] - full[i]) for i in full) < 1e-6, (parts, full)
     assert full[8] != full[4]  # the model did train in the second half
+    assert os.path.isdir(checkpointing.iteration_dir(ck, 6))
     assert checkpointing.latest_iteration(ck) == 8 and not os.path.exists(checkpointing.iteration_dir(ck, 8) + ".tmp")
     finetune = pretrain(task, [*run, "--load", ck, "--finetune", "--train-iters", "2", "--eval-iters", "0"])
     assert finetune.iteration == 2 and finetune.consumed_train_samples == 16  # weights only: a fresh run
+
+
+def test_a_pipeline_run_loads_the_weights_of_a_checkpoint_saved_without_pipeline(shared_tmp, cache, rank, capsys):
+    run = [*TINY, "--num-layers", "4", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
+           "--attention-dropout", "0", "--data-cache-path", cache]  # fmt: skip
+    ck, tb = os.path.join(shared_tmp, "ck-pp1"), os.path.join(shared_tmp, "tb-pp-from-pp1")
+    pretrain("gpt", [*run, "--train-iters", "2", "--save", ck])
+    with pytest.raises(SystemExit):  # its optimizer state holds no stage's parameters in Megatron's order
+        pretrain("gpt", [*run, "--train-iters", "3", "--load", ck, "--pipeline-model-parallel-size", "2"])
+    err = capsys.readouterr().err
+    assert rank != 0 or "saved without pipeline parallelism" in err and "--no-load-optim" in err, err
+    finetune = [*run, "--train-iters", "1", "--load", ck, "--finetune"]
+    pretrain("gpt", [*finetune, "--tensorboard-dir", f"{tb}/pp1"])
+    pretrain("gpt", [*finetune, "--pipeline-model-parallel-size", "2", "--tensorboard-dir", f"{tb}/pp2"])
+    pp1 = last_rank_value(lambda: tb_scalars(f"{tb}/pp1", "lm loss"))
+    pp2 = last_rank_value(lambda: tb_scalars(f"{tb}/pp2", "lm loss"))
+    assert abs(pp1[1] - pp2[1]) < 1e-5, (pp1, pp2)  # the same weights on the same first batch
 
 
 def test_tensor_and_data_parallel_layouts_train_alike(shared_tmp, cache):
