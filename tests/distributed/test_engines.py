@@ -102,6 +102,25 @@ def test_sharded_engines_hold_half_the_parameters_per_rank(engine, cache, capsys
         assert "rank 1 (tensor, pipeline, data) = (0, 0, 1): parameters" in out, out
 
 
+def test_tp2_sharded_layers_hold_half_their_parameters(shared_tmp, cache):
+    """Against the plain HF model of the same config: each tensor the schedule shards holds half of
+    it on each rank (attention, MLP and the vocabulary-parallel embedding), the rest all of it."""
+    import json
+
+    run = _setup([*PARITY, *SCHEDULES["gpt"], *TP2, "--data-cache-path", cache])
+    local = run.engine.state_dict(os.path.join(shared_tmp, "tp2-half"), include_optimizer=False)["model"]
+    with torch.device("meta"):
+        plain = transformers.GPT2LMHeadModel(transformers.GPT2Config(**json.loads(run.metadata["hf_config"])))
+    full = plain.state_dict()
+    shards = run.metadata["shards"]
+    assert {n for n in full if n.endswith(".weight") and ".mlp." in n} <= set(shards)
+    for name, value in full.items():
+        assert local[name].numel() * (2 if name in shards else 1) == value.numel(), name
+    sharded = sum(full[n].numel() for n in shards)
+    assert sharded > 0.8 * sum(p.numel() for p in plain.parameters())  # the bulk of the model is split
+    assert run.engine.memory_report()["params"] == 4 * sum(p.numel() for p in run.engine.model.parameters())
+
+
 def test_zero3_checkpoint_exports_deepspeeds_own_fp32_weights(shared_tmp, cache):
     """The gathered weights in model_optim_rng.pt, exported to HF, equal what DeepSpeed's
     zero_to_fp32 consolidates from its ZeRO partitions (an independent reading of the same files)."""
