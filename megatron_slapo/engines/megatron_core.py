@@ -286,7 +286,9 @@ class MegatronEngine:
 
         if self.args.clip_grad > 0:
             for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
-                clip_grad_by_total_norm_fp32(optimizer.get_parameters(), self.args.clip_grad, grad_norm)
+                params = optimizer.get_parameters()
+                if params:  # a rank whose shard is empty has nothing to clip
+                    clip_grad_by_total_norm_fp32(params, self.args.clip_grad, grad_norm)
 
     def _params_norm(self) -> float:
         from megatron.core import parallel_state as ps

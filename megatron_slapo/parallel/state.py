@@ -43,8 +43,9 @@ def _destroy_model_parallel() -> None:
             for item in value.values():
                 collect(item)
 
-    for value in vars(ps).values():
-        collect(value)
+    for name, value in vars(ps).items():
+        if not name.startswith("__"):  # module globals only (not __builtins__)
+            collect(value)
     ps.destroy_model_parallel()
     for group in groups.values():
         if group is not dist.group.WORLD and group in dist.distributed_c10d._world.pg_map:

@@ -221,7 +221,8 @@ def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str) ->
     if load_optimizer and "optimizer" not in state and state.get("iteration", 0) > 0 and dist.get_rank() == 0:
         print(f" > WARNING: {path} has no optimizer state (saved with --no-save-optim): the optimizer and the LR "
               "schedule start afresh", flush=True)  # fmt: skip
-    if load_optimizer and "optimizer" in state and os.path.basename(os.path.dirname(path)) != layout.rank_dir():
+    other_layout = os.path.basename(os.path.dirname(path)) != layout.rank_dir()  # saved without PP
+    if load_optimizer and "optimizer" in state and other_layout:
         raise CheckpointError(
             f"{path} was saved without pipeline parallelism: its optimizer state does not fit the pipeline stages; "
             "pass --no-load-optim (or --finetune) to load only the weights"
@@ -238,7 +239,10 @@ def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str) ->
         raise CheckpointError(f"{path} does not fit this model: {str(e)[:300]}") from e
     if args.finetune or state.get("iteration", 0) == 0:
         return Resume()  # a release or from-hf checkpoint: weights only, training starts at 0
-    if not args.no_load_rng:
+    if other_layout:  # its RNG states are one stage's: every stage keeps its own seeding instead
+        if dist.get_rank() == 0:
+            print(f" > WARNING: {path} was saved without pipeline parallelism: RNG states not restored", flush=True)
+    elif not args.no_load_rng:
         states = state["rng_state"]
         if layout.dp_rank >= len(states):
             raise CheckpointError(f"{path} holds RNG states for {len(states)} data-parallel ranks; pass --no-load-rng")

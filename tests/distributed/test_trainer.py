@@ -92,6 +92,11 @@ def test_a_pipeline_run_loads_the_weights_of_a_checkpoint_saved_without_pipeline
         pretrain("gpt", [*run, "--train-iters", "3", "--load", ck, "--pipeline-model-parallel-size", "2"])
     err = capsys.readouterr().err
     assert rank != 0 or "saved without pipeline parallelism" in err and "--no-load-optim" in err, err
+    state = pretrain("gpt", [*run, "--train-iters", "3", "--load", ck, "--no-load-optim", "--pipeline-model-parallel-size",
+                             "2", "--eval-iters", "0"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert state.iteration == 3  # resumed at 2; the stages keep their own RNG streams (one stage's were saved)
+    assert rank != 0 or "RNG states not restored" in out, out
     finetune = [*run, "--train-iters", "1", "--load", ck, "--finetune"]
     pretrain("gpt", [*finetune, "--tensorboard-dir", f"{tb}/pp1"])
     pretrain("gpt", [*finetune, "--pipeline-model-parallel-size", "2", "--tensorboard-dir", f"{tb}/pp2"])
