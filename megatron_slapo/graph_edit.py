@@ -67,7 +67,7 @@ def extract(owner: fx.GraphModule, nodes: Sequence[fx.Node], inputs: Sequence[fx
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, node in enumerate(inputs):
-        env[node] = graph.placeholder(f"input_{i}" if node.op != "placeholder" else str(node.target))
+        env[node] = graph.placeholder(f"input_{i}")  # one node may bind two pattern inputs: names by position
     for node in sorted(nodes, key=graph_order(owner.graph).__getitem__):
         env[node] = graph.node_copy(node, lambda n: env[n] if n in env else _copy_attr(graph, n, env))
     graph.output(env[outputs[0]] if len(outputs) == 1 else tuple(env[o] for o in outputs))

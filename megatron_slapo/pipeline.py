@@ -12,6 +12,7 @@ stages (tied embeddings) are reported, because the engine must keep their copies
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ class StagePlan:
     cut_paths: list[str]  # module paths (from the root) that start stages 1, 2, ...
     crossing: list[list[str]]  # names of the values crossing each cut
     tied: dict[str, list[int]]  # a parameter used by several stages -> those stages
+    recompute_inputs: bool = False  # stages after the first also take the model's inputs
 
 
 class PipelineStages(nn.Module):
@@ -55,8 +57,15 @@ class PipelineStages(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values = self.stages[0](*args, **kwargs)
+        inputs: tuple = ()
+        if self.plan.recompute_inputs:  # the model's inputs, in the order of stage 0's placeholders
+            signature = inspect.signature(self.stages[0].forward)  # without the traced-in constants,
+            traced = {k: v for k, v in kwargs.items() if k in signature.parameters}  # stage 0's guard checked
+            bound = signature.bind(*args, **traced)
+            bound.apply_defaults()
+            inputs = tuple(bound.arguments.values())
         for stage in self.stages[1:]:
-            values = stage(*values)
+            values = stage(*inputs, *values)
         return values
 
 
@@ -234,6 +243,6 @@ def partition(sch: Schedule, recompute_inputs: bool = False) -> PipelineStages:
     for hook in sch.mod._forward_pre_hooks.values():  # stage 0 takes the model's inputs: same guard
         if isinstance(hook, CallGuard):
             stages[0].register_forward_pre_hook(hook, with_kwargs=True)
-    pipeline = PipelineStages(stages, StagePlan(cut_paths, crossing, _tied(stages)))
+    pipeline = PipelineStages(stages, StagePlan(cut_paths, crossing, _tied(stages), bool(recompute)))
     pipeline.train(sch.mod.training)
     return pipeline

@@ -91,6 +91,12 @@ def test_megatron_engine_refuses_plans_its_schedules_cannot_run():
         return ms.build(sch, recompute_pipeline_inputs=True)
 
     pipeline = cut("transformer.h.1", "transformer.h.2")
+    model = transformers.GPT2LMHeadModel(tiny_gpt2_config(n_layer=4)).eval()
+    state = model.state_dict()
+    for stage in pipeline.stages:  # stages after the first recompute what derives from the inputs alone
+        stage.load_state_dict({k: state[k] for k in stage.state_dict()})
+    pipeline.eval()
+    assert torch.equal(pipeline(input_ids=IDS, use_cache=False).logits, model(IDS, use_cache=False).logits)
     _check_plan(pipeline)  # one hidden state per cut; the embedding shared by the first and last stage
     pipeline.plan.tied["transformer.h.0.ln_1.weight"] = [0, 1]
     with pytest.raises(ConfigError, match=r"used by pipeline stages \[0, 1\]; only the first and the last"):

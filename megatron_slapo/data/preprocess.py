@@ -43,7 +43,7 @@ class DocumentEncoder:
         self.make_tokenizer, self.keys, self.append_eod, self.sentences = make_tokenizer, keys, append_eod, sentences
         self.tokenizer = None
 
-    def __call__(self, line: str) -> tuple[dict[str, list[list[int]]], int]:
+    def __call__(self, line: str) -> dict[str, list[list[int]]]:
         if self.tokenizer is None:
             self.tokenizer = self.make_tokenizer()
         doc = json.loads(line)
@@ -57,7 +57,7 @@ class DocumentEncoder:
             if self.append_eod and seqs:
                 seqs[-1].append(self.tokenizer.eod)
             out[key] = seqs
-        return out, len(line)
+        return out
 
 
 def _lines(path: str) -> Iterator[str]:
@@ -84,14 +84,14 @@ def encode_corpus(
     dtype = DType.optimal_dtype(vocab_size)
     prefixes = {k: output_prefix(prefix, k, sentences) for k in keys}
     builders = {k: IndexedDatasetBuilder(f"{p}.bin", dtype=dtype) for k, p in prefixes.items()}
-    total = sum(1 for _ in _lines(input_path))
+    total = sum(1 for _ in _lines(input_path)) if progress else None  # a pass over the input, for the bar only
     pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None
     results = pool.imap(encoder, _lines(input_path), chunksize=32) if pool else map(encoder, _lines(input_path))
     try:
         from tqdm import tqdm
 
         bar = tqdm(results, total=total, unit="doc", disable=not progress, desc=f"encoding {input_path}")
-        for encoded, _ in bar:
+        for encoded in bar:
             for key, seqs in encoded.items():
                 for seq in seqs:
                     builders[key].add_item(torch.from_numpy(numpy.asarray(seq, dtype=numpy.int64)))

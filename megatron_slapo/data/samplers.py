@@ -33,8 +33,6 @@ class PretrainingSampler:
 
 def data_loader(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, workers: int):
     """A DataLoader over ``dataset`` for this rank, resuming at ``consumed_samples``."""
-    if dataset is None:
-        return None
     sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
     # A private generator: creating the iterator draws a worker seed, which must not advance the
     # global RNG that dropout uses (a resumed run would otherwise see different masks).

@@ -20,7 +20,6 @@ from megatron_slapo.engines.base import (
     Batch,
     StepResult,
     Task,
-    accumulate,
     autocast,
     evaluate,
     tensor_bytes,
@@ -50,20 +49,20 @@ class DDPEngine:
 
     def train_step(self, microbatches: list[Batch], task: Task) -> StepResult:
         self.wrapped.train()
-        totals: dict[str, torch.Tensor] = {}
-        n = len(microbatches)
-        scale = self.step.loss_scale
-        for i, batch in enumerate(microbatches):
-            last = i == n - 1
-            sync = contextlib.nullcontext() if last or self.wrapped is self.model else self.wrapped.no_sync()
-            with sync:
-                with autocast(self.args, self.device):
-                    loss, metrics = task.loss(self.wrapped, to_device(batch, self.device))
-                (loss * (scale / n)).backward()
-            accumulate(totals, metrics)
+
+        def loss_of(batch: Batch) -> tuple[torch.Tensor, dict]:
+            with autocast(self.args, self.device):
+                return task.loss(self.wrapped, to_device(batch, self.device))
+
+        def sync(last: bool) -> contextlib.AbstractContextManager:
+            return contextlib.nullcontext() if last or self.wrapped is self.model else self.wrapped.no_sync()
+
+        totals = self.step.backward(microbatches, loss_of, sync)
         allreduce_sequence_parallel_grads(self.model, self.tp_group)
         # the norm is the same on every rank of the model
-        return self.step.finish(totals, n, self.dp_group, lambda grads: global_norm(self.params, self.tp_group, grads))
+        return self.step.finish(
+            totals, len(microbatches), self.dp_group, lambda grads: global_norm(self.params, self.tp_group, grads)
+        )
 
     def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
         return evaluate(self.model, microbatches, task, self.device, self.dp_group, autocast(self.args, self.device))

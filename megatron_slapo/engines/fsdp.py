@@ -14,6 +14,7 @@ optimizer shard goes into ``iter_XXXXXXX/fsdp/<tp/pp rank>/dp_rank_XXX.pt``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from typing import Any
 
@@ -27,7 +28,6 @@ from megatron_slapo.engines.base import (
     Batch,
     StepResult,
     Task,
-    accumulate,
     evaluate,
     refuse_sequence_parallel,
     tensor_bytes,
@@ -78,15 +78,13 @@ class FSDPEngine:
 
     def train_step(self, microbatches: list[Batch], task: Task) -> StepResult:
         self.model.train()
-        totals: dict[str, torch.Tensor] = {}
-        n = len(microbatches)
-        scale = self.step.loss_scale
-        for i, batch in enumerate(microbatches):
-            self.model.set_requires_gradient_sync(i == n - 1)  # reduce-scatter once, after the last one
-            loss, metrics = task.loss(self.model, to_device(batch, self.device))
-            (loss * (scale / n)).backward()
-            accumulate(totals, metrics)
-        return self.step.finish(totals, n, self.dp_group, lambda grads: self._norm(of_grads=grads))
+
+        def sync(last: bool) -> contextlib.AbstractContextManager:
+            self.model.set_requires_gradient_sync(last)  # reduce-scatter once, after the last micro-batch
+            return contextlib.nullcontext()
+
+        totals = self.step.backward(microbatches, lambda b: task.loss(self.model, to_device(b, self.device)), sync)
+        return self.step.finish(totals, len(microbatches), self.dp_group, lambda grads: self._norm(of_grads=grads))
 
     def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
         return evaluate(self.model, microbatches, task, self.device, self.dp_group)

@@ -9,13 +9,14 @@ the same norm, so all skip or step together.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from megatron_slapo.engines.base import StepResult, average_metrics
+from megatron_slapo.engines.base import Batch, StepResult, accumulate, average_metrics
 from megatron_slapo.parallel.collectives import Group
 from megatron_slapo.training.loss_scaler import loss_scaler_for
 from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, clip_grads
@@ -34,6 +35,20 @@ class LocalStep:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale if self.scaler else 1.0
+
+    def backward(self, microbatches: list[Batch], loss_of: Callable[[Batch], tuple[torch.Tensor, dict]],
+                 sync: Callable[[bool], contextlib.AbstractContextManager]) -> dict[str, torch.Tensor]:  # fmt: skip
+        """Forward and backward every micro-batch, each loss scaled by 1/n (and the fp16 loss scale);
+        the data-parallel reduction happens inside ``sync(last)`` for the last one only. Returns the
+        summed metrics."""
+        totals: dict[str, torch.Tensor] = {}
+        n = len(microbatches)
+        for i, batch in enumerate(microbatches):
+            with sync(i == n - 1):
+                loss, metrics = loss_of(batch)
+                (loss * (self.loss_scale / n)).backward()
+            accumulate(totals, metrics)
+        return totals
 
     def finish(self, totals: dict[str, torch.Tensor], count: int, dp_group: Group,
                norm: Callable[[bool], float]) -> StepResult:  # fmt: skip

@@ -21,6 +21,13 @@ class SubgraphModule(nn.Module):
         super().__init__()
         self.__dict__["graph"] = graph
 
+    def train(self, mode: bool = True) -> SubgraphModule:
+        """Also the graph's own mode: functional dropout in it reads ``training`` at run time, and
+        the graph is not a registered child that ``.train()`` / ``.eval()`` would reach."""
+        super().train(mode)
+        self.graph.training = mode
+        return self
+
     def targets(self) -> set[str]:
         """Owner-relative paths of the modules and attributes the subgraph uses."""
         return {str(n.target) for n in self.graph.graph.nodes if n.op in ("call_module", "get_attr")}

@@ -30,9 +30,18 @@ import torch
 import torch.distributed as dist
 
 Group = dist.ProcessGroup | None
-# torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+# torch 2.13 renamed the single-tensor collectives; older releases only have the old names. Looked
+# up at each call, not at import, so that --log-comm's wrappers on torch.distributed see them.
+def _all_gather_single(out: torch.Tensor, src: torch.Tensor, group: Group) -> None:
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, src, group=group)
+
+
+def _reduce_scatter_single(out: torch.Tensor, src: torch.Tensor, group: Group) -> None:
+    getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, src, group=group)
+
+
 GatherBackward = Literal["split", "reduce_scatter"]
 
 

@@ -119,11 +119,6 @@ def export_metadata(tensors: dict[str, torch.Tensor], model_class: str, args: ar
     }
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def save(
     engine: Engine, args: argparse.Namespace, layout: Layout, resume: Resume, metadata: dict
 ) -> str:  # fmt: skip
@@ -133,7 +128,7 @@ def save(
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
+    dist.barrier()
     rng = [None] * dist.get_world_size(layout.dp_group)
     dist.all_gather_object(rng, _rng_state(), group=layout.dp_group)
     state = engine.state_dict(tmp, include_optimizer=not args.no_save_optim)
@@ -148,7 +143,7 @@ def save(
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.save(state, path + ".partial")
         os.replace(path + ".partial", path)
-    _barrier()
+    dist.barrier()
     if dist.get_rank() == 0:
         old = final + ".old"
         if os.path.isdir(final):  # re-saving an iteration: keep the old copy until the new one is in place
@@ -162,7 +157,7 @@ def save(
             os.fsync(f.fileno())
         os.replace(latest + ".tmp", latest)
         shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    dist.barrier()
     return final
 
 
@@ -185,16 +180,13 @@ def checkpoint_file(load_dir: str, layout: Layout) -> str | None:
     iteration = latest_iteration(load_dir)
     if iteration is None:
         return None
-    path = os.path.join(iteration_dir(load_dir, iteration), layout.rank_dir(), FILENAME)
-    whole = os.path.join(iteration_dir(load_dir, iteration), f"mp_rank_{layout.tp_rank:02d}", FILENAME)
+    root = iteration_dir(load_dir, iteration)
+    path = os.path.join(root, layout.rank_dir(), FILENAME)
+    whole = os.path.join(root, f"mp_rank_{layout.tp_rank:02d}", FILENAME)
     if not os.path.isfile(path) and layout.pp_size > 1 and os.path.isfile(whole):
         return whole  # saved without pipeline parallelism: every stage takes its weights from the whole model
     if not os.path.isfile(path):
-        saved = (
-            sorted(os.listdir(iteration_dir(load_dir, iteration)))
-            if os.path.isdir(iteration_dir(load_dir, iteration))
-            else []
-        )
+        saved = sorted(os.listdir(root)) if os.path.isdir(root) else []
         raise CheckpointError(
             f"checkpoint {path} is missing (saved: {saved or 'nothing'}); was it written with another "
             f"tensor/pipeline-parallel size? tools/convert_checkpoint.py to-hf merges any layout, and from-hf "

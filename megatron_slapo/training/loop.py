@@ -254,10 +254,11 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, train_batches: Iterator, 
             result.comm = comm.take()
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
-        seconds = timers("train-step").elapsed(reset=not args.log_timers_to_tensorboard)
+        if args.log_timers_to_tensorboard and state.iteration % args.tensorboard_log_interval == 0:
+            # a collective (max over ranks): every rank calls it, at TensorBoard's interval only
+            timers.write(["train-step"], run.reporter.writer, state.iteration, reset=False)
+        seconds = timers("train-step").elapsed()
         run.reporter.step(state.iteration, state.consumed_train_samples, result, seconds)
-        if args.log_timers_to_tensorboard:  # a collective (max over ranks): every rank calls it
-            timers.write(["train-step"], run.reporter.writer, state.iteration)
         nan_streak = nan_streak + 1 if result.diverging else 0
         if nan_streak >= args.max_consecutive_nan_iterations:
             raise TrainingStopped(

@@ -31,13 +31,20 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+class _ModelLoss:
+    """``loss``: the model's forward on a batch, then the task's ``criterion`` (engines that run
+    the whole model call this; pipeline engines call ``inputs`` and ``criterion`` apart)."""
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.criterion(model(**self.inputs(batch)), batch)
+
+
 @dataclass
-class GPTTask:
+class GPTTask(_ModelLoss):
     """Causal language modelling on Megatron's GPTDataset (``tokens``, ``labels``, ``loss_mask``)."""
 
     vocab_size: int
     tp_group: Group
-    name: str = "gpt"
 
     @staticmethod
     def build_datasets(args: argparse.Namespace, tokenizer: Any, sizes: SplitSizes) -> tuple:
@@ -53,18 +60,14 @@ class GPTTask:
         lm = masked_mean(token_losses(out.logits, batch["labels"], self.vocab_size, self.tp_group), batch["loss_mask"])
         return lm, {"lm loss": lm.detach()}
 
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return self.criterion(model(**self.inputs(batch)), batch)
-
 
 @dataclass
-class BERTTask:
+class BERTTask(_ModelLoss):
     """Masked LM (+ sentence-order prediction) on Megatron's BERTMaskedWordPieceDataset."""
 
     vocab_size: int
     tp_group: Group
     binary_head: bool = True
-    name: str = "bert"
 
     @staticmethod
     def build_datasets(args: argparse.Namespace, tokenizer: Any, sizes: SplitSizes) -> tuple:
@@ -84,6 +87,3 @@ class BERTTask:
         sop = F.cross_entropy(order_logits.float(), batch["is_random"].long())
         metrics["sop loss"] = sop.detach()
         return lm + sop, metrics
-
-    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return self.criterion(model(**self.inputs(batch)), batch)

@@ -5,7 +5,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_slapo.parallel import tensor_parallel_group
+from megatron_slapo.parallel import collectives, tensor_parallel_group
 from megatron_slapo.parallel.comm_log import CommLog
 from tests.distributed.conftest import use_layout
 from tests.distributed.runs import TINY, TP2, last_rank_value, train_losses
@@ -20,6 +20,8 @@ def test_each_collective_counts_once_and_point_to_point_still_works(rank):
         x = torch.ones(10)
         dist.all_reduce(x, group=tensor_parallel_group())
         dist.all_gather_into_tensor(torch.empty(20), torch.ones(10))  # deprecated name -> all_gather_single
+        collectives.all_gather(torch.ones(2, 3), 0, tensor_parallel_group())  # our TP ops: counted too
+        collectives.reduce_scatter(torch.ones(4, 3), 0, tensor_parallel_group())
         peer = 1 - rank
         ops = [dist.P2POp(dist.isend, torch.ones(3), peer), dist.P2POp(dist.irecv, torch.empty(3), peer)]
         for work in dist.batch_isend_irecv(ops):
@@ -28,7 +30,8 @@ def test_each_collective_counts_once_and_point_to_point_still_works(rank):
     finally:
         log.uninstall()
     assert (dist.all_reduce, dist.isend) == originals
-    assert counts == {"all_reduce[tp]": 40, "all_gather_into_tensor[world]": 80, "isend[world]": 12, "irecv[world]": 12}
+    assert counts == {"all_reduce[tp]": 40, "all_gather_into_tensor[world]": 80, "isend[world]": 12, "irecv[world]": 12,
+                      "all_gather_single[tp]": 48, "reduce_scatter_single[tp]": 48}  # fmt: skip
     assert log.take() == {}
 
 
