@@ -95,17 +95,11 @@ def _assign_stages(graph: fx.Graph, cut_paths: list[str]) -> dict[fx.Node, int]:
         next(n for n in graph.nodes if n.op == "call_module" and n.target == path): i + 1
         for i, path in enumerate(cut_paths)
     }
-    order = graph_order(graph)
     stage_of: dict[fx.Node, int] = {}
-    current = 0
+    current = 0  # cut_paths come sorted by execution order (see partition)
     for node in graph.nodes:
         current = max(current, starts.get(node, 0))
         stage_of[node] = current
-    if sorted(starts.values()) != [starts[n] for n in sorted(starts, key=order.__getitem__)]:
-        raise SchedulingError(f"pipeline cuts {cut_paths} are not in execution order")
-    for node in graph.nodes:  # weights live in the stage that first uses them
-        if node.op == "get_attr" and node.users:
-            stage_of[node] = min(stage_of[u] for u in node.users)
     return stage_of
 
 
