@@ -121,3 +121,12 @@ def test_deepspeed_config_is_completed_from_the_flags(tmp_path):
 def test_deepspeed_config_contradictions(tmp_path, config, extra, message):
     with pytest.raises(ConfigError, match=message):
         _deepspeed_config(tmp_path, config, *extra)
+
+
+def test_an_hf_model_keeps_its_rows_when_they_cover_the_tokenizer_and_split_across_tp():
+    from megatron_slapo.training.model import hf_vocab_size
+
+    assert hf_vocab_size(151936, 151643, 128, 2) == 151936  # larger than the padded tokenizer, even: kept
+    assert hf_vocab_size(151936, 151936, 128, 2) == 152064  # the tokenizer's own padding is larger
+    assert hf_vocab_size(100, 500, 128, 2) == 512  # the tokenizer needs more rows than the model has
+    assert hf_vocab_size(1001, 10, 128, 2) == 1024  # odd rows do not split over 2 ranks: Megatron's padding

@@ -103,17 +103,19 @@ def to_hf(args: argparse.Namespace) -> None:
 def from_hf(args: argparse.Namespace) -> None:
     import megatron_slapo as ms
     from megatron_slapo import parallel
-    from megatron_slapo.training.model import check_divisible, padded_vocab_size, vocab_parameter_names
+    from megatron_slapo.training.arguments import BERT_MODEL_TYPES
+    from megatron_slapo.training.model import auto_class, check_divisible, hf_vocab_size, vocab_parameter_names
     from schedules import get_schedule
 
     tp = args.tensor_model_parallel_size
     parallel.initialize(tensor_parallel=tp)
     config = transformers.AutoConfig.from_pretrained(args.load_hf)
-    task = "bert" if config.model_type in ("bert", "roberta", "albert") else "gpt"
-    auto = transformers.AutoModelForCausalLM if task == "gpt" else transformers.AutoModelForPreTraining
-    model = auto.from_pretrained(args.load_hf)
+    task = "bert" if config.model_type in BERT_MODEL_TYPES else "gpt"
+    binary_head = not args.bert_no_binary_head and config.model_type != "roberta"  # as pretrain_bert.py decides
+    model = auto_class(argparse.Namespace(task=task, bert_binary_head=binary_head)).from_pretrained(args.load_hf)
     true_vocab = model.get_input_embeddings().num_embeddings
-    padded = padded_vocab_size(true_vocab, args.make_vocab_size_divisible_by, tp)
+    # The rows a training run with --load-hf gives this model (its tokenizer taken to be the model's).
+    padded = hf_vocab_size(true_vocab, true_vocab, args.make_vocab_size_divisible_by, tp)
     if padded != true_vocab:
         model.resize_token_embeddings(padded, mean_resizing=False)
     check_divisible(model.config, tp)
@@ -158,6 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     b.add_argument("--schedule", required=True)
     b.add_argument("--tensor-model-parallel-size", type=int, default=1)
     b.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    b.add_argument("--bert-no-binary-head", action="store_true", help="BERT: the masked-LM model only (no SOP head)")
     args = p.parse_args(argv)
     try:
         to_hf(args) if args.direction == "to-hf" else from_hf(args)

@@ -31,6 +31,13 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) 
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+def hf_vocab_size(model_vocab: int, tokenizer_vocab: int, divisible_by: int, tensor_parallel: int) -> int:
+    """Embedding rows of a model that starts from an HF config: the model's own rows if they cover
+    the tokenizer's padded vocabulary and split evenly across TP, else Megatron's padding of them."""
+    size = max(model_vocab, padded_vocab_size(tokenizer_vocab, divisible_by, tensor_parallel))
+    return size if size % tensor_parallel == 0 else padded_vocab_size(size, divisible_by, tensor_parallel)
+
+
 def _from_flags(args: argparse.Namespace, vocab: int, tokenizer: Any) -> transformers.PretrainedConfig:
     for name in ("num_layers", "hidden_size", "num_attention_heads"):
         if getattr(args, name) is None:
@@ -79,9 +86,9 @@ def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.Pretr
         except OSError as e:
             raise ConfigError(f"cannot read an HF config from {source!r}: {e}") from e
         args.true_vocab_size = max(config.vocab_size, tokenizer.vocab_size)  # export keeps the model's rows
-        config.vocab_size = max(config.vocab_size, args.padded_vocab_size)
-        if config.vocab_size % tp:
-            config.vocab_size = padded_vocab_size(config.vocab_size, args.make_vocab_size_divisible_by, tp)
+        config.vocab_size = hf_vocab_size(
+            config.vocab_size, tokenizer.vocab_size, args.make_vocab_size_divisible_by, tp
+        )
         args.padded_vocab_size = config.vocab_size
     else:
         config = _from_flags(args, args.padded_vocab_size, tokenizer)
