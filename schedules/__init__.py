@@ -27,6 +27,25 @@ def get_schedule(name: str) -> ModuleType:
     return SCHEDULES[name]
 
 
+def fitting(model_type: str) -> list[str]:
+    """The schedules that can be applied to a model of this HF ``model_type``."""
+    return [name for name, mod in SCHEDULES.items() if mod.MODEL_TYPES is None or model_type in mod.MODEL_TYPES]
+
+
+def check_fits(name: str, model_type: str) -> None:
+    """ConfigError (before any model is built) when schedule ``name`` is written for other model types."""
+    types = get_schedule(name).MODEL_TYPES
+    if types is not None and model_type not in types:
+        raise ConfigError(
+            f"--schedule {name} is for {' and '.join(types)} models, not {model_type}; "
+            f"schedules that fit {model_type}: {', '.join(fitting(model_type))}"
+        )
+
+
 def describe() -> str:
-    """One line per schedule: its name and the first line of its docstring."""
-    return "\n".join(f"{name:12s} {(mod.__doc__ or '').strip().splitlines()[0]}" for name, mod in SCHEDULES.items())
+    """One line per schedule: its name, the model types it is for, and the first line of its docstring."""
+    lines = []
+    for name, mod in SCHEDULES.items():
+        types = ", ".join(mod.MODEL_TYPES) if mod.MODEL_TYPES else "any"
+        lines.append(f"{name:12s} {types:15s} {(mod.__doc__ or '').strip().splitlines()[0]}")
+    return "\n".join(lines)

@@ -16,6 +16,8 @@ from megatron_slapo.parallel.plans import (
 )
 from megatron_slapo.schedule import Schedule
 
+MODEL_TYPES = ("bert", "roberta")  # HF config.model_type values this schedule is written for
+
 HEADS = {"bert": "cls.predictions.decoder", "roberta": "lm_head.decoder"}
 
 

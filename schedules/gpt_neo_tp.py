@@ -12,6 +12,8 @@ from megatron_slapo.parallel.plans import (
 )
 from megatron_slapo.schedule import Schedule
 
+MODEL_TYPES = ("gpt_neo",)  # HF config.model_type values this schedule is written for
+
 ATTN = "transformer.h.*.attn.attention"
 PLAN = {
     "transformer.wte": VocabParallelEmbedding(),

@@ -21,6 +21,8 @@ from megatron_slapo.parallel.plans import (
 )
 from megatron_slapo.schedule import Schedule
 
+MODEL_TYPES = ("gpt2",)  # HF config.model_type values this schedule is written for
+
 PLAN = {
     "transformer.wte": VocabParallelEmbedding(),
     "transformer.h.*.attn": LocalHeads("split_size", "num_heads", "embed_dim"),

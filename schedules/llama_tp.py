@@ -11,6 +11,8 @@ from megatron_slapo.parallel.plans import (
 )
 from megatron_slapo.schedule import Schedule
 
+MODEL_TYPES = ("llama",)  # HF config.model_type values this schedule is written for
+
 PLAN = {
     "model.embed_tokens": VocabParallelEmbedding(),
     "model.layers.*.self_attn.q_proj": ColumnParallel(),

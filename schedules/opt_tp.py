@@ -12,6 +12,8 @@ from megatron_slapo.parallel.plans import (
 )
 from megatron_slapo.schedule import Schedule
 
+MODEL_TYPES = ("opt",)  # HF config.model_type values this schedule is written for
+
 LAYER = "model.decoder.layers.*"
 PLAN = {
     "model.decoder.embed_tokens": VocabParallelEmbedding(),

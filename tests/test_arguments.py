@@ -44,7 +44,7 @@ def test_megatron_names_and_derived_values():
         ),
         (["--sequence-parallel"], 2, "no schedule in schedules/ applies sequence parallelism"),
         (["--eval-interval", "0"], 1, "--eval-interval must be >= 1"),
-        (["--min-lr", "1"], 1, "--min-lr 1.0 must lie between 0 and --lr 0.001"),
+        (["--min-lr", "1"], 1, "--min-lr 1.0 must not exceed --lr 0.001"),
         (["--bf16", "--fp16"], 1, "mutually exclusive"),
         (["--save-interval", "5"], 1, "--save-interval needs --save"),
         (["--finetune"], 1, "--finetune needs --load"),

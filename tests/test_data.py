@@ -2,12 +2,15 @@
 
 import json
 import os
+import struct
 
+import numpy
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_slapo.data import embedded
+from megatron_slapo.data import embedded, indexed
 from megatron_slapo.data.datasets import SplitSizes, check_prefix, check_splits, parse_data_path
+from megatron_slapo.data.indexed import read_index
 from megatron_slapo.data.preprocess import split_sentences
 from megatron_slapo.data.samplers import PretrainingSampler
 from megatron_slapo.data.tokenizers import build_tokenizer
@@ -94,25 +97,65 @@ def test_null_and_hf_tokenizers(tmp_path, bpe):
         build_tokenizer("GPT2BPETokenizer", bpe[0], "nope.txt")
 
 
-@pytest.mark.filterwarnings(
-    "ignore::pytest.PytestUnraisableExceptionWarning"
-)  # megatron-core's __del__ after a failed open
+def _copy_dataset(src: str, dst: str, idx: bytes | None = None) -> str:
+    for ext in (".bin", ".idx"):
+        with open(src + ext, "rb") as f, open(dst + ext, "wb") as g:
+            g.write(idx if ext == ".idx" and idx is not None else f.read())
+    return dst
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no "Exception ignored in __del__"
 def test_missing_and_corrupt_data_are_clear_errors(corpus, bpe, tmp_path):
     with pytest.raises(DataError, match=r"data prefix '.*/nothing': .*nothing.idx does not exist"):
         check_prefix(str(tmp_path / "nothing"))
     root, _ = corpus
+    good = f"{root}/gpt_text_document"
+    index = open(good + ".idx", "rb").read()
     prefix = str(tmp_path / "bad")
-    for ext in (".bin", ".idx"):
-        with open(f"{root}/gpt_text_document{ext}", "rb") as src, open(prefix + ext, "wb") as dst:
-            dst.write(src.read())
-    with open(prefix + ".idx", "r+b") as f:
-        f.write(b"NOTMEGA")
-    with pytest.raises(DataError, match="is not a Megatron index"):
+    header = 9 + 8 + 1 + 8 + 8
+    n_seq = struct.unpack("<Q", index[18:26])[0]
+    pointers = header + 4 * n_seq
+    cases = {
+        "is not a Megatron index": b"NOTMEGA" + index[7:],
+        "corrupt or truncated: its header promises": index[:40],
+        "dtype code 6 is not an integer token type": index[:17] + bytes([6]) + index[18:],  # float64
+        "document boundaries": index[:-8] + struct.pack("<q", n_seq + 5),
+        "sequence pointers and lengths disagree": index[:pointers + 8] + struct.pack("<q", 3) + index[pointers + 16 :],
+    }  # fmt: skip
+    for message, idx in cases.items():
+        with pytest.raises(DataError, match=message):
+            check_prefix(_copy_dataset(good, prefix, idx))
+    _copy_dataset(good, prefix)
+    with open(prefix + ".bin", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(DataError, match="bad.bin is shorter"):
         check_prefix(prefix)
-    with open(f"{root}/gpt_text_document.idx", "rb") as src, open(prefix + ".idx", "wb") as dst:
-        dst.write(src.read()[:40])  # truncated
-    with pytest.raises(DataError, match="corrupt"):
-        check_prefix(prefix)
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused(corpus, bpe, monkeypatch):
+    """Data made with a larger tokenizer trains silently under TP (the ids are another rank's rows)
+    and crashes at TP1: refused up front, by a full scan of a small .bin or a sample of a large one."""
+    root, _ = corpus
+    prefix = f"{root}/gpt_text_document"
+    tokens = numpy.memmap(prefix + ".bin", mode="r", dtype=read_index(prefix).dtype)
+    largest = int(tokens.max())
+    assert check_prefix(prefix, largest + 1, "tokenizer (GPT2BPETokenizer)") == len(DOCS)
+    with pytest.raises(DataError, match=rf"gpt_text_document.bin holds token ids from \d+ to {largest}, but the "
+                       rf"tokenizer \(GPT2BPETokenizer\) has {largest} tokens"):  # fmt: skip
+        check_prefix(prefix, largest, "tokenizer (GPT2BPETokenizer)")
+    monkeypatch.setattr(indexed, "FULL_SCAN_BYTES", 0)  # a "large" file: sampled, and said so
+    monkeypatch.setattr(indexed, "_WINDOW_TOKENS", 8)
+    with pytest.raises(DataError, match=r"\(in a sample of it\)"):
+        check_prefix(prefix, 10, "tokenizer (GPT2BPETokenizer)")
+
+
+def test_preprocess_creates_the_output_directory(corpus, bpe, tmp_path):
+    root, path = corpus
+    vocab, merges = bpe
+    prefix = str(tmp_path / "data" / "nested" / "gpt")  # the README's `--output-prefix data/my-gpt2`, no data/ yet
+    preprocess_data.main(["--input", path, "--output-prefix", prefix, "--tokenizer-type", "GPT2BPETokenizer",
+                          "--vocab-file", vocab, "--merge-file", merges, "--no-progress"])  # fmt: skip
+    assert check_prefix(f"{prefix}_text_document") == len(DOCS)
 
 
 def test_split_checks(corpus):

@@ -1,7 +1,6 @@
 """What engines refuse before any compute, rather than train wrongly or fail deep inside a library."""
 
 import pytest
-import torch
 from torch import nn
 
 from megatron_slapo.engines.base import refuse_sequence_parallel
@@ -9,16 +8,27 @@ from megatron_slapo.errors import ConfigError
 from tests.test_arguments import args_for
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="DeepSpeed's CPU accelerator is the one without fp16")
-def test_deepspeed_fp16_on_cpu_is_refused_before_the_model_is_built():
+@pytest.mark.parametrize("fp16_supported", [False, True], ids=["cpu-without-fp16", "cpu-with-avx512-fp16"])
+def test_deepspeed_fp16_is_refused_where_the_accelerator_has_none(monkeypatch, fp16_supported):
+    """Whether DeepSpeed's accelerator offers fp16 depends on the machine (its CPU accelerator asks
+    oneDNN, which says yes on CPUs with avx512_fp16/AMX-FP16): control what it reports, test both."""
+    from deepspeed.accelerator import get_accelerator
+
     from megatron_slapo.engines.deepspeed_zero import _check_precision_supported, deepspeed_config
+
+    accelerator = get_accelerator()
+    monkeypatch.setattr(accelerator, "is_fp16_supported", lambda: fp16_supported)
+    monkeypatch.setattr(accelerator, "is_bf16_supported", lambda: True)
 
     def config(*flags):
         return deepspeed_config(args_for("--engine", "deepspeed", *flags), dp_size=2)
 
     _check_precision_supported(config("--bf16"))
-    with pytest.raises(ConfigError, match="--engine deepspeed cannot train in fp16 on cpu"):
+    if fp16_supported:
         _check_precision_supported(config("--fp16"))
+    else:
+        with pytest.raises(ConfigError, match="--engine deepspeed cannot train in fp16 on"):
+            _check_precision_supported(config("--fp16"))
 
 
 def test_sequence_parallel_weights_are_refused_by_engines_that_do_not_reduce_them():

@@ -105,11 +105,16 @@ def from_hf(args: argparse.Namespace) -> None:
     from megatron_slapo import parallel
     from megatron_slapo.training.arguments import BERT_MODEL_TYPES
     from megatron_slapo.training.model import auto_class, check_divisible, hf_vocab_size, vocab_parameter_names
-    from schedules import get_schedule
+    from schedules import check_fits, get_schedule
 
     tp = args.tensor_model_parallel_size
-    parallel.initialize(tensor_parallel=tp)
+    if not os.path.isfile(os.path.join(args.load_hf, "config.json")):
+        what = "has no config.json" if os.path.isdir(args.load_hf) else "is not a directory"
+        raise ConfigError(f"--load-hf {args.load_hf} {what}: give a directory written by save_pretrained or to-hf")
+    get_schedule(args.schedule)  # an unknown name is refused before the process groups start
     config = transformers.AutoConfig.from_pretrained(args.load_hf)
+    check_fits(args.schedule, config.model_type)
+    parallel.initialize(tensor_parallel=tp)
     task = "bert" if config.model_type in BERT_MODEL_TYPES else "gpt"
     binary_head = not args.bert_no_binary_head and config.model_type != "roberta"  # as pretrain_bert.py decides
     model = auto_class(argparse.Namespace(task=task, bert_binary_head=binary_head)).from_pretrained(args.load_hf)

@@ -10,14 +10,11 @@ inside megatron-core) after the model is built.
 
 from __future__ import annotations
 
-import os
-import struct
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_slapo.data.indexed import check_token_ids, read_index
 from megatron_slapo.errors import DataError
-
-_INDEX_HEADER = b"MMIDIDX\x00\x00"  # Megatron's .idx magic
 
 
 @dataclass(frozen=True)
@@ -43,35 +40,20 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
     return list(prefixes), (list(weights) if weights else None)
 
 
-def check_prefix(prefix: str) -> int:
-    """Check that ``prefix.bin``/``prefix.idx`` exist and the index is readable; return #documents."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    for ext in (".idx", ".bin"):
-        if not os.path.isfile(prefix + ext):
-            raise DataError(f"data prefix {prefix!r}: {prefix + ext} does not exist")
-    with open(prefix + ".idx", "rb") as f:
-        header = f.read(len(_INDEX_HEADER) + 8)
-    if header[: len(_INDEX_HEADER)] != _INDEX_HEADER or struct.unpack("<Q", header[-8:])[0] != 1:
-        raise DataError(f"{prefix}.idx is not a Megatron index (MMIDIDX v1): corrupt or another format")
-    try:
-        dataset = IndexedDataset(prefix, mmap=True)
-        n_docs = dataset.document_indices.shape[0] - 1
-        bin_bytes = os.path.getsize(prefix + ".bin")
-        end = (
-            int(dataset.index.sequence_pointers[-1])
-            + int(dataset.index.sequence_lengths[-1]) * dataset.index.dtype_size
-        )
-    except Exception as e:  # numpy/struct errors from a truncated or inconsistent index
-        raise DataError(f"{prefix}.idx is corrupt: {type(e).__name__}: {e}") from e
-    if end > bin_bytes:
-        raise DataError(f"{prefix}.bin is shorter ({bin_bytes} bytes) than its index says ({end} bytes): truncated?")
-    if n_docs == 0:
+def check_prefix(prefix: str, vocab_size: int | None = None, vocabulary: str = "tokenizer") -> int:
+    """Check that ``prefix.bin``/``prefix.idx`` exist, agree, and (given ``vocab_size``) hold only
+    token ids below it; return the number of documents."""
+    index = read_index(prefix)
+    if index.documents == 0:
         raise DataError(f"{prefix} contains no documents")
-    return n_docs
+    if vocab_size is not None:
+        check_token_ids(index, vocab_size, vocabulary)
+    return index.documents
 
 
-def check_splits(prefixes: list[str], split: str, sizes: SplitSizes) -> str:
+def check_splits(
+    prefixes: list[str], split: str, sizes: SplitSizes, vocab_size: int | None = None, vocabulary: str = "tokenizer"
+) -> str:
     """Check that every split that must yield samples gets documents of every dataset.
 
     megatron-core builds every split with a nonzero weight and loops forever on one that holds no
@@ -87,7 +69,7 @@ def check_splits(prefixes: list[str], split: str, sizes: SplitSizes) -> str:
     vector = parse_and_normalize_split(split)
     matrix = convert_split_vector_to_split_matrix(vector)
     for prefix in prefixes:
-        n_docs = check_prefix(prefix)
+        n_docs = check_prefix(prefix, vocab_size, vocabulary)
         for i, (name, bounds, wanted) in enumerate(
             zip(("train", "valid", "test"), matrix, sizes.as_list(), strict=True)
         ):
@@ -100,6 +82,13 @@ def check_splits(prefixes: list[str], split: str, sizes: SplitSizes) -> str:
             if docs == 0 and bounds is not None:
                 vector[i] = 0.0
     return ",".join(f"{v:g}" for v in vector)
+
+
+def _vocabulary(args: Any, tokenizer: Any) -> tuple[int, str]:
+    """The ids the model has rows for, and how to name where that number comes from."""
+    size = getattr(args, "true_vocab_size", None) or tokenizer.vocab_size
+    what = f"model in --load-hf {args.load_hf}" if getattr(args, "load_hf", None) else f"tokenizer ({args.tokenizer_type})"
+    return size, what
 
 
 def _common_config(args: Any, tokenizer: Any, prefixes: list[str], weights: list[float] | None, split: str) -> dict:
@@ -120,7 +109,7 @@ def build_gpt_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
     prefixes, weights = ([], None) if args.mock_data else parse_data_path(args.data_path)
-    split = check_splits(prefixes, args.split, sizes) if prefixes else args.split
+    split = check_splits(prefixes, args.split, sizes, *_vocabulary(args, tokenizer)) if prefixes else args.split
     config = GPTDatasetConfig(
         **_common_config(args, tokenizer, prefixes, weights, split),
         reset_position_ids=False,
@@ -148,7 +137,7 @@ def build_bert_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
             f"BERT data needs the [PAD] token at id 0 (Megatron's convention); this vocabulary has {tokenizer.pad}"
         )
     prefixes, weights = parse_data_path(args.data_path)
-    split = check_splits(prefixes, args.split, sizes)
+    split = check_splits(prefixes, args.split, sizes, *_vocabulary(args, tokenizer))
     config = BERTMaskedWordPieceDatasetConfig(
         **_common_config(args, tokenizer, prefixes, weights, split),
         masking_probability=args.mask_prob,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -83,6 +84,7 @@ def encode_corpus(
     encoder = DocumentEncoder(make_tokenizer, keys, append_eod, sentences)
     dtype = DType.optimal_dtype(vocab_size)
     prefixes = {k: output_prefix(prefix, k, sentences) for k in keys}
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)  # `--output-prefix data/x` with no data/
     builders = {k: IndexedDatasetBuilder(f"{p}.bin", dtype=dtype) for k, p in prefixes.items()}
     total = sum(1 for _ in _lines(input_path)) if progress else None  # a pass over the input, for the bar only
     pool = multiprocessing.get_context("fork").Pool(workers) if workers > 1 else None

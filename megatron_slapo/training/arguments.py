@@ -21,11 +21,27 @@ GPT_MODEL_TYPES = ("gpt2", "gpt_neo", "opt", "llama")
 BERT_MODEL_TYPES = ("bert", "roberta", "albert")
 
 # The embedded default run (no data flags): a small model that trains in minutes on 2 CPU cores.
+# Each value applies only where the user gave no flag of that name; the start of the run lists them.
 EMBEDDED_DEFAULTS = dict(
     num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128, micro_batch_size=8,
     global_batch_size=16, train_iters=200, lr=1e-3, min_lr=1e-4, lr_warmup_fraction=0.1,
     lr_decay_style="cosine", eval_interval=50, eval_iters=4, log_interval=10, num_workers=0,
 )  # fmt: skip
+# The model's shape comes from the checkpoint or config when one is given (--load-hf / --hf-config).
+_EMBEDDED_MODEL_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length")
+
+# Flags that must be at least this large when given (None means "not given", which later checks handle).
+_MINIMUM = dict(
+    tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=1,
+    micro_batch_size=1, global_batch_size=1, train_iters=1, seq_length=1, max_position_embeddings=1,
+    num_layers=1, hidden_size=1, num_attention_heads=1, num_query_groups=1, ffn_hidden_size=1,
+    make_vocab_size_divisible_by=1, lr_decay_iters=1, lr_warmup_iters=0, recompute_num_layers=1,
+    eval_iters=0, log_interval=1, tensorboard_log_interval=1, save_interval=1, exit_interval=1, num_workers=0,
+    max_consecutive_nan_iterations=1, vocab_size=1, lr=0.0, min_lr=0.0, weight_decay=0.0, clip_grad=0.0,
+    adam_eps=0.0, initial_loss_scale=1.0, loss_scale=1.0, init_method_std=0.0,
+)  # fmt: skip
+_PROBABILITIES = ("attention_dropout", "hidden_dropout", "adam_beta1", "adam_beta2", "lr_warmup_fraction",
+                  "mask_prob", "short_seq_prob")  # fmt: skip
 
 
 def _model(p: argparse.ArgumentParser, model_types: Sequence[str]) -> None:
@@ -146,6 +162,10 @@ def build_parser(task: str) -> argparse.ArgumentParser:
         prog=f"pretrain_{task}.py",
         allow_abbrev=False,
         description=f"Pretrain a HuggingFace {'masked' if bert else 'causal'} LM with a megatron_slapo schedule.",
+        epilog="With neither --data-path nor --mock-data the run trains on the embedded corpus, and these "
+        "defaults replace the ones above for every flag not given: "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in EMBEDDED_DEFAULTS.items())
+        + " (--min-lr is a tenth of a given --lr; --load-hf/--hf-config keep the model's own shape and positions).",
     )
     _model(p, BERT_MODEL_TYPES if bert else GPT_MODEL_TYPES)
     _parallel(p)
@@ -163,22 +183,49 @@ def parse_args(task: str, argv: Sequence[str] | None = None) -> argparse.Namespa
     args = parser.parse_args(argv)
     args.task = task
     args.embedded_data = not args.data_path and not args.mock_data
+    args.embedded_defaults = {}  # what the embedded run chose for the user, to list and to name in errors
     if args.embedded_data:
         given = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
         flags = {a.dest: set(a.option_strings) for a in parser._actions}
+        shaped_elsewhere = args.load_hf or args.hf_config
+        passed = {name for name, options in flags.items() if options & given}
         for name, value in EMBEDDED_DEFAULTS.items():
-            if not flags[name] & given:
-                setattr(args, name, value)
+            if name in passed or (shaped_elsewhere and name in _EMBEDDED_MODEL_SHAPE):
+                continue
+            if name == "lr_warmup_fraction" and "lr_warmup_iters" in passed:
+                continue  # the user chose the warmup in iterations
+            if name == "min_lr" and "lr" in passed:
+                value = args.lr / 10  # follow the user's --lr rather than contradict it
+            setattr(args, name, value)
+            args.embedded_defaults[name] = value
         if args.tensorboard_dir is None:
             args.tensorboard_dir = os.path.join("runs", f"pretrain_{task}-embedded", time.strftime("%Y%m%d-%H%M%S"))
     return args
 
 
+def flag(args: argparse.Namespace, name: str) -> str:
+    """``--name value`` as the user would write it, marked when the embedded run chose the value,
+    so that an error never blames the user for a value they did not pass."""
+    text = f"--{name.replace('_', '-')} {getattr(args, name)}"
+    return f"{text} (the embedded run's default)" if name in getattr(args, "embedded_defaults", {}) else text
+
+
+def _check_ranges(args: argparse.Namespace) -> None:
+    """Sizes, counts and rates out of range: one error naming the flag, before anything divides by them."""
+    for name, minimum in _MINIMUM.items():
+        value = getattr(args, name, None)
+        if value is not None and value < minimum:
+            raise ConfigError(f"{flag(args, name)} must be >= {minimum:g}")
+    for name in _PROBABILITIES:
+        value = getattr(args, name, None)
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{flag(args, name)} must lie between 0 and 1")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Raise one ConfigError for the first contradiction among the arguments and the world size."""
+    _check_ranges(args)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if tp < 1 or pp < 1:
-        raise ConfigError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
     if world_size % (tp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
     if args.engine != "deepspeed" and (args.zero_stage is not None or args.deepspeed_config):
@@ -186,9 +233,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.engine != "megatron":
         if pp > 1 or args.num_layers_per_virtual_pipeline_stage:
             raise ConfigError(f"pipeline parallelism needs --engine megatron; --engine {args.engine} has none")
-        for flag in ("use_distributed_optimizer", "overlap_grad_reduce"):
-            if getattr(args, flag):
-                raise ConfigError(f"--{flag.replace('_', '-')} needs --engine megatron, not {args.engine}")
+        for name in ("use_distributed_optimizer", "overlap_grad_reduce"):
+            if getattr(args, name):
+                raise ConfigError(f"--{name.replace('_', '-')} needs --engine megatron, not {args.engine}")
     if args.num_layers_per_virtual_pipeline_stage and pp == 1:
         raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     if args.sequence_parallel:
@@ -213,8 +260,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"the interleaved schedule needs a multiple of --pipeline-model-parallel-size ({pp}) micro-batches "
             f"per step; global batch size {args.global_batch_size} gives {microbatches}"
         )
-    if not 0 <= args.min_lr <= args.lr:
-        raise ConfigError(f"--min-lr {args.min_lr} must lie between 0 and --lr {args.lr}")
+    if args.min_lr > args.lr:
+        raise ConfigError(f"{flag(args, 'min_lr')} must not exceed {flag(args, 'lr')}")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are mutually exclusive")
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
@@ -237,7 +284,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--seq-length is required")
     if args.seq_length and args.max_position_embeddings and args.seq_length > args.max_position_embeddings:
         raise ConfigError(
-            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}"
+            f"{flag(args, 'seq_length')} exceeds --max-position-embeddings {args.max_position_embeddings}"
         )
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters

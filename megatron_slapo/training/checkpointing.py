@@ -185,14 +185,27 @@ def checkpoint_file(load_dir: str, layout: Layout) -> str | None:
     whole = os.path.join(root, f"mp_rank_{layout.tp_rank:02d}", FILENAME)
     if not os.path.isfile(path) and layout.pp_size > 1 and os.path.isfile(whole):
         return whole  # saved without pipeline parallelism: every stage takes its weights from the whole model
+    if not os.path.isdir(root):
+        raise CheckpointError(f"{os.path.join(load_dir, LATEST)} names iteration {iteration}, but {root} does not "
+                              "exist: the checkpoint was deleted or only partly copied")  # fmt: skip
     if not os.path.isfile(path):
-        saved = sorted(os.listdir(root)) if os.path.isdir(root) else []
+        saved = sorted(d for d in os.listdir(root) if d.startswith("mp_rank_"))
+        if layout.rank_dir() in saved or not saved:
+            raise CheckpointError(f"checkpoint {path} is missing: the checkpoint in {root} is incomplete")
         raise CheckpointError(
-            f"checkpoint {path} is missing (saved: {saved or 'nothing'}); was it written with another "
-            f"tensor/pipeline-parallel size? tools/convert_checkpoint.py to-hf merges any layout, and from-hf "
-            "writes any tensor-parallel size"
+            f"{root} holds {', '.join(saved)}: it was written with another tensor/pipeline-parallel size than this "
+            f"run's ({layout.rank_dir()} of TP {layout.tp_size} x PP {layout.pp_size}). {reshard_hint(load_dir)}"
         )
     return path
+
+
+def reshard_hint(load_dir: str) -> str:
+    """How to turn a checkpoint into one of another tensor-parallel size."""
+    return (
+        f"To reshard it: python tools/convert_checkpoint.py to-hf --load {load_dir} --save-hf HF_DIR, then "
+        "torchrun --nproc_per_node TP tools/convert_checkpoint.py from-hf --load-hf HF_DIR --save NEW_DIR "
+        "--schedule SCHEDULE --tensor-model-parallel-size TP, and train with --load NEW_DIR --finetune"
+    )
 
 
 def read(path: str, device: torch.device | str = "cpu") -> dict[str, Any]:
@@ -208,7 +221,8 @@ def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str) ->
     state = read(path)
     saved_tp = state.get("slapo", {}).get("tensor_parallel_size")
     if saved_tp not in (None, layout.tp_size):
-        raise CheckpointError(f"{path} was saved with tensor-parallel size {saved_tp}, this run uses {layout.tp_size}")
+        raise CheckpointError(f"{path} was saved with tensor-parallel size {saved_tp}, this run uses {layout.tp_size}. "
+                              f"{reshard_hint(args.load)}")  # fmt: skip
     load_optimizer = not (args.finetune or args.no_load_optim)
     if load_optimizer and "optimizer" not in state and state.get("iteration", 0) > 0 and dist.get_rank() == 0:
         print(f" > WARNING: {path} has no optimizer state (saved with --no-save-optim): the optimizer and the LR "

@@ -44,7 +44,7 @@ from megatron_slapo.training.model import (
 )
 from megatron_slapo.training.reporting import Reporter, log_engine_memory
 from megatron_slapo.training.tasks import BERTTask, GPTTask
-from schedules import describe, get_schedule
+from schedules import check_fits, describe, get_schedule
 
 
 class TrainingStopped(RuntimeError):
@@ -91,6 +91,10 @@ def _use_embedded_data(args: argparse.Namespace) -> None:
     args.data_path, args.tokenizer_type = [data.prefix], data.tokenizer_type
     args.vocab_file, args.merge_file = data.vocab_file, data.merge_file
     print_rank_0(f"> no --data-path: training on the embedded corpus (Python's help topics) at {data.prefix}")
+    if args.embedded_defaults:
+        chosen = " ".join(f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
+                          for k, v in args.embedded_defaults.items())  # fmt: skip
+        print_rank_0(f"> the embedded run's defaults for flags not given: {chosen}")
 
 
 def _split_sizes(args: argparse.Namespace) -> SplitSizes:
@@ -126,6 +130,7 @@ def setup(args: argparse.Namespace) -> Run:
         args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model, args.vocab_size
     )
     config = build_config(args, tokenizer)
+    check_fits(args.schedule, config.model_type)
     if args.seq_length is None:
         args.seq_length = config.max_position_embeddings
     for name in ("num_layers", "hidden_size", "num_attention_heads"):  # as Megatron's args carry them
@@ -163,8 +168,9 @@ def setup(args: argparse.Namespace) -> Run:
             "use a tensor-parallel schedule (see --schedule list)"
         )
     if layout.tp_size == 1 and shards and world > 1:
+        ranks = f"{args.data_parallel_size} data-parallel" + (f" x {layout.pp_size} pipeline" if layout.pp_size > 1 else "")
         print_rank_0(f" > note: --schedule {args.schedule} shards over --tensor-model-parallel-size 1, i.e. not at all; "
-                     f"the {world} ranks are data-parallel")  # fmt: skip
+                     f"the {world} ranks are {ranks} ranks")  # fmt: skip
     local_stages = [k for k in range(stages) if k % layout.pp_size == layout.pp_rank]
     hook = getattr(ENGINES[args.engine], "build_hook", None)
     after_unit = hook(args, layout.dp_group, tp_group) if hook else None  # e.g. ZeRO-3 partitions as it builds

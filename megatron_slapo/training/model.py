@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Any
 
 import torch
@@ -80,11 +81,7 @@ def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.Pretr
     args.true_vocab_size = tokenizer.vocab_size
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, tp)
     if args.load_hf or args.hf_config:
-        source = args.load_hf or args.hf_config
-        try:
-            config = transformers.AutoConfig.from_pretrained(source)
-        except OSError as e:
-            raise ConfigError(f"cannot read an HF config from {source!r}: {e}") from e
+        config = _read_config(args)
         args.true_vocab_size = max(config.vocab_size, tokenizer.vocab_size)  # export keeps the model's rows
         config.vocab_size = hf_vocab_size(
             config.vocab_size, tokenizer.vocab_size, args.make_vocab_size_divisible_by, tp
@@ -98,6 +95,37 @@ def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.Pretr
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions"
         )
     return config
+
+
+def _read_config(args: argparse.Namespace) -> transformers.PretrainedConfig:
+    """The config of ``--load-hf DIR`` or ``--hf-config NAME_OR_DIR``, checked to be a model this task trains."""
+    flag, source = ("--load-hf", args.load_hf) if args.load_hf else ("--hf-config", args.hf_config)
+    if args.load_hf and not os.path.isfile(os.path.join(source, "config.json")):
+        what = "has no config.json" if os.path.isdir(source) else "is not a directory"
+        raise ConfigError(f"{flag} {source} {what}: give a directory written by save_pretrained (or convert_checkpoint.py to-hf)")
+    try:
+        config = transformers.AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as e:
+        where = "a directory nor a model name that can be fetched" if not os.path.isdir(source) else "a valid HF directory"
+        raise ConfigError(f"{flag} {source} is neither {where} ({type(e).__name__})") from e
+    check_task_fits(config, args.task, f"{flag} {source}")
+    args.model_type = config.model_type  # what the checkpoint holds, not the --model-type default
+    return config
+
+
+def check_task_fits(config: transformers.PretrainedConfig, task: str, source: str) -> None:
+    """pretrain_gpt.py trains next-token prediction, pretrain_bert.py masked LM: refuse a model that
+    cannot do it (an encoder for GPT, a decoder for BERT) rather than train the wrong objective."""
+    kind = config.model_type
+    if task == "gpt":
+        causal = type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and not config.is_encoder_decoder
+        # Encoder families that HF can also run as decoders carry `is_decoder` (False unless set).
+        if not causal or not getattr(config, "is_decoder", True):
+            raise ConfigError(f"{source} holds a {kind} model, which is not a causal LM: pretrain_gpt.py trains "
+                              "decoder-only models (for an encoder such as BERT use pretrain_bert.py)")  # fmt: skip
+    elif type(config) not in transformers.MODEL_FOR_MASKED_LM_MAPPING or getattr(config, "is_decoder", False):
+        raise ConfigError(f"{source} holds a {kind} model, which is not a masked LM: pretrain_bert.py trains "
+                          "encoders such as BERT, RoBERTa, ALBERT (for a causal LM use pretrain_gpt.py)")  # fmt: skip
 
 
 def check_divisible(config: transformers.PretrainedConfig, tp: int) -> None:
