@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 from torch import nn
@@ -17,6 +17,9 @@ from torch import nn
 from megatron_slapo.kernels.subgraph import SubgraphModule
 from megatron_slapo.module_surgery import move_hooks
 from megatron_slapo.tracing import CallGuard
+
+if TYPE_CHECKING:
+    from megatron_slapo.schedule import Schedule
 
 
 def graph_order(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -105,11 +108,11 @@ def splice(owner: fx.GraphModule, groups: Sequence[tuple[Sequence[fx.Node], Sequ
     if any(order[i] > order[anchor] for i in inputs):
         users = [u for _, outs in groups for o in outs for u in o.users if u not in all_nodes]
         anchor = min(users, key=order.__getitem__)
-    replaced_modules = [owner.get_submodule(n.target) for n in all_nodes if n.op == "call_module"]
     if isinstance(callee, nn.Module):
         name = _free_name(owner, name)
         owner.add_submodule(name, callee)
-        for old in replaced_modules if not callee_runs_replaced else ():
+        for old in _superseded_modules(owner, all_nodes) if not callee_runs_replaced else ():
+            _drop_call_guards(old)  # the guard of a traced level checks calls that no longer happen
             move_hooks(old, callee)
     with graph.inserting_before(anchor):
         if isinstance(callee, nn.Module):
@@ -134,6 +137,73 @@ def splice(owner: fx.GraphModule, groups: Sequence[tuple[Sequence[fx.Node], Sequ
     return name
 
 
+def _superseded_modules(owner: fx.GraphModule, nodes: Sequence[fx.Node]) -> list[nn.Module]:
+    """The modules that ``nodes`` call and nothing else in ``owner`` calls (each once)."""
+    inside = set(nodes)
+    elsewhere = module_call_sites(owner, exclude=inside)
+    targets = dict.fromkeys(str(n.target) for n in nodes if n.op == "call_module")
+    return [owner.get_submodule(t) for t in targets if t not in elsewhere]
+
+
+def _drop_call_guards(module: nn.Module) -> None:
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if isinstance(hook, CallGuard):
+            del module._forward_pre_hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def _hook_kinds(module: nn.Module) -> list[str]:
+    """The kinds of user hooks ``module`` carries (a traced level's CallGuard is not one)."""
+    counts = {
+        "fwd_pre": sum(not isinstance(h, CallGuard) for h in module._forward_pre_hooks.values()),
+        "fwd_post": len(module._forward_hooks),
+        "bwd_pre": len(module._backward_pre_hooks),
+        "bwd_post": len(module._backward_hooks),
+    }
+    return [kind for kind, count in counts.items() if count]
+
+
+def hooks_left_behind(owner: fx.GraphModule, groups: Sequence[tuple[Sequence[fx.Node], Sequence[fx.Node]]],
+                      inputs: Sequence[fx.Node], callee_is_module: bool) -> str | None:  # fmt: skip
+    """Why the hooks of the modules that ``splice`` would replace cannot move onto the callee.
+
+    A hook moves only where it sees the same values on the callee: the pre-hooks (and the input side
+    of backward hooks) of a layer called with exactly the callee's inputs, which nothing else in the
+    subgraph reads; the post-hooks of the layer whose value is the subgraph's single output (a
+    forward hook's ``args`` are then the callee's inputs). Anything else would run on other tensors,
+    as would hooks of a layer still called elsewhere or replaced horizontally, or by a function.
+    """
+    nodes = [n for group, _ in groups for n in group]
+    elsewhere = module_call_sites(owner, exclude=set(nodes))
+    for node in nodes:
+        if node.op != "call_module":
+            continue
+        kinds = _hook_kinds(owner.get_submodule(node.target))
+        if not kinds:
+            continue
+        hooks = f"the {'/'.join(kinds)} hook(s) of {node.target}"
+        if str(node.target) in elsewhere:
+            return f"{hooks} would leave its calls outside the subgraph"
+        if not callee_is_module:
+            return f"{hooks} cannot move onto a function: replace with an nn.Module"
+        if len(groups) > 1:
+            return f"{hooks} would run once for every branch of a horizontal replacement, on all their values"
+        others = [n for n in nodes if n is not node]
+        sees_inputs = (tuple(node.args) == tuple(inputs) and not node.kwargs
+                       and not any(set(n.all_input_nodes) & set(inputs) for n in others))  # fmt: skip
+        sees_output = list(groups[0][1]) == [node]
+        seen = {"fwd_pre": sees_inputs, "fwd_post": sees_output, "bwd_pre": sees_output,
+                "bwd_post": sees_inputs and sees_output}  # fmt: skip
+        wrong = [kind for kind in kinds if not seen[kind]]
+        if wrong:
+            return (
+                f"the {'/'.join(wrong)} hook(s) of {node.target} would run on the replacement and see other "
+                f"tensors than {node.target}'s (only pre-hooks of a layer that alone reads the subgraph's inputs "
+                "and post-hooks of the layer producing its output can move)"
+            )
+    return None
+
+
 def targets_in_use(owner: fx.GraphModule) -> set[str]:
     """Module/attribute paths the owner's graph or its subgraph modules still use."""
     used = {str(n.target) for n in owner.graph.nodes if n.op in ("call_module", "get_attr")}
@@ -141,6 +211,43 @@ def targets_in_use(owner: fx.GraphModule) -> set[str]:
         if isinstance(child, SubgraphModule):
             used |= child.targets()
     return used
+
+
+def module_call_sites(owner: fx.GraphModule, exclude: set[fx.Node] = frozenset()) -> set[str]:
+    """Owner-relative paths of the modules that the owner's graph (or a subgraph module of it) calls,
+    not counting the nodes in ``exclude``."""
+    sites = {str(n.target) for n in owner.graph.nodes if n.op == "call_module" and n not in exclude}
+    for child in owner.children():
+        if isinstance(child, SubgraphModule):
+            sites |= {str(n.target) for n in child.graph.graph.nodes if n.op == "call_module"}
+    return sites
+
+
+def why_never_called(node: Schedule) -> str | None:
+    """Why ``node``'s module is never called as a module when the model runs, or ``None``.
+
+    Below a traced level, a module runs only if that level's graph calls it (or calls an untraced
+    module that contains it). A layer that was traced through (``decompose()``d, or inlined by
+    ``flatten=True``) left only its ops in the graph: hooks on it, and anything built on hooks,
+    would silently never run. Untraced levels are not checked: their Python forward is opaque.
+    """
+    current = node
+    while current.parent is not None:
+        owner = current.parent
+        while owner is not None and not isinstance(owner.mod, fx.GraphModule):
+            owner = owner.parent
+        if owner is None:
+            return None
+        relative = current.path[len(owner.path) :].lstrip(".")
+        parts = relative.split(".")
+        sites = module_call_sites(owner.mod)
+        if not any(".".join(parts[:i]) in sites for i in range(1, len(parts) + 1)):
+            return (
+                f"the traced graph of {owner.path or '<root>'} does not call {relative} as a module (its ops were "
+                "traced into that graph, as after decompose() or with flatten=True), so it would never run"
+            )
+        current = owner
+    return None
 
 
 def _free_name(owner: nn.Module, name: str) -> str:

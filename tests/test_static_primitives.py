@@ -127,14 +127,18 @@ def test_vertical_replace_with_a_function_and_a_module_moving_hooks():
     assert "act" not in sch.child and "add_relu" in sch.child and calls == [1]  # the hook moved
 
 
-def test_horizontal_replace_moves_the_branches_hooks():
+def test_horizontal_replace_refuses_the_branches_hooks():
+    """On the fused call q's pre-hook would also change k's and v's input (as Slapo, refused)."""
     sch = traced(Chains(), X, Y)
-    seen = []
-    sch["q"].hook("fwd_pre", lambda m, args: seen.append(type(m).__name__))
+    handle = sch["q"].hook("fwd_pre", lambda m, args: (args[0] * 2,))
     branches = sch.find(r"^[qkv]$")
-    sch.replace(FusedQKV.from_linears(sch["q"].mod, sch["k"].mod, sch["v"].mod), target_ops=branches, name="qkv")
-    sch.mod(X, Y)
-    assert seen == ["FusedQKV"] and set(sch.child) >= {"qkv"} and not {"q", "k", "v"} & set(sch.child)
+    fused = FusedQKV.from_linears(sch["q"].mod, sch["k"].mod, sch["v"].mod)
+    with pytest.raises(ms.SchedulingError, match=r"the fwd_pre hook\(s\) of q would run once for every branch"):
+        sch.replace(fused, target_ops=branches, name="qkv")
+    assert {"q", "k", "v"} <= set(sch.child)  # nothing changed
+    handle.remove()
+    sch.replace(fused, target_ops=branches, name="qkv")
+    assert "qkv" in sch.child and not {"q", "k", "v"} & set(sch.child)
 
 
 def test_replace_refuses_a_subgraph_used_from_outside():

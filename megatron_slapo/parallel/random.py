@@ -15,6 +15,8 @@ from collections.abc import Iterator
 
 import torch
 
+from megatron_slapo.errors import ConfigError
+
 MODEL_PARALLEL_RNG = "model-parallel"
 # Megatron's offset between the data-parallel seed and the model-parallel seed.
 _MODEL_PARALLEL_SEED_OFFSET = 2718
@@ -40,19 +42,30 @@ class RNGStatesTracker:
 
     def __init__(self) -> None:
         self._states: dict[str, torch.Tensor] = {}
+        self._seeds: set[int] = set()
 
     def reset(self) -> None:
         self._states = {}
+        self._seeds = set()
 
     def is_seeded(self, name: str = MODEL_PARALLEL_RNG) -> bool:
         return name in self._states
 
     def add(self, name: str, seed: int) -> None:
-        """Create stream ``name`` from ``seed`` without disturbing the current generator."""
+        """Create stream ``name`` from ``seed`` without disturbing the current generator.
+
+        Like megatron-core's ``CudaRNGStatesTracker.add``, a name or a seed already in use is refused:
+        a second stream from the same seed would draw the very masks of the first.
+        """
+        if seed in self._seeds:
+            raise ConfigError(f"RNG seed {seed} is already used by a stream; each stream needs a seed of its own")
+        if name in self._states:
+            raise ConfigError(f"RNG stream {name!r} already exists; reset() the tracker to seed it anew")
         saved = _get_state()
         try:
             torch.manual_seed(seed) if _device_type() == "cpu" else torch.cuda.manual_seed(seed)
             self._states[name] = _get_state()
+            self._seeds.add(seed)
         finally:
             _set_state(saved)
 

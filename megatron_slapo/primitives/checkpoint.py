@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from megatron_slapo.graph_edit import external_users, extract, splice
+from megatron_slapo.graph_edit import external_users, extract, splice, why_never_called
 from megatron_slapo.kernels.subgraph import SubgraphModule
 from megatron_slapo.parallel.random import get_rng_tracker
 from megatron_slapo.pattern import Subgraph
@@ -65,6 +65,10 @@ class CheckpointMixin:
             return
         if self.metadata.checkpointed:
             raise self._error("checkpoint() is already applied to this module")
+        never = why_never_called(self)
+        if never:
+            raise self._error(f"checkpoint() cannot apply: {never}; checkpoint a module the graph calls, "
+                              "or a subgraph of the traced graph (checkpoint(subgraph=...))")  # fmt: skip
         add_forward_wrapper(self.mod, checkpointed)
         self.metadata.checkpointed = True
 

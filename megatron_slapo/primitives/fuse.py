@@ -70,7 +70,8 @@ class FuseMixin:
         if isinstance(mod, nn.Linear):
             new = DecomposedLinear(mod.in_features, mod.out_features, device="meta")
         else:
-            new = DecomposedConv1D(mod.nf, mod.nx)
+            with torch.device("meta"):  # its tensors are taken over from mod
+                new = DecomposedConv1D(mod.nf, mod.nx)
         self.replace(new)  # same parameters (by name), now traced through when the parent is traced
 
 

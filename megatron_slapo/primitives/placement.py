@@ -12,6 +12,10 @@ nn.Linear        (out, in)            0 / 1           column / row       partiti
 HF Conv1D        (in, out)            1 / 0           column / row       (Conv1D stores W^T)
 nn.Embedding     (vocab, hidden)      0 / 1           vocab / emb-column partial / partitioned
 ===============  ===================  ==============  =================  ==========================
+
+Subclasses count as their base class, but a subclass that overrides ``forward`` computes something
+we do not know: ``shard`` refuses the placements that would have to rewrite that forward (see
+:func:`own_forward`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import enum
 
 from torch import nn
 from transformers.pytorch_utils import Conv1D
+
+from megatron_slapo.kernels.linear import DecomposedConv1D, DecomposedLinear
 
 
 class Role(enum.Enum):
@@ -40,6 +46,27 @@ def linear_axes(module: nn.Module) -> tuple[int, int] | None:
     if isinstance(module, Conv1D):
         return 1, 0
     return None
+
+
+# Forwards whose computation is known to be the layer's plain maths (``x W^T + b`` for Linear-likes,
+# a lookup for Embedding), so ``shard`` may compute the same thing its own way. DecomposedLinear and
+# DecomposedConv1D add their bias as a separate op: the same maths.
+_KNOWN_FORWARDS = (nn.Linear.forward, Conv1D.forward, nn.Embedding.forward, DecomposedLinear.forward,
+                   DecomposedConv1D.forward)  # fmt: skip
+
+
+def own_forward(module: nn.Module) -> str | None:
+    """The name of the class that overrides the known layer's ``forward``, or ``None``.
+
+    ``Scaled(nn.Linear)`` with ``forward = super().forward(x) * 2`` is still recognised as a Linear
+    by its weight layout, but its forward does more than the Linear's maths; a placement that
+    replaces the forward (row-parallel with a bias, vocabulary-parallel) would silently drop that.
+    """
+    forward = type(module).forward
+    if any(forward is known for known in _KNOWN_FORWARDS):
+        return None
+    owner = next(cls for cls in type(module).__mro__ if "forward" in vars(cls))
+    return owner.__qualname__
 
 
 def infer_role(module: nn.Module, param_name: str, axis: int) -> Role | None:

@@ -9,12 +9,13 @@ unsharded.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from megatron_slapo.graph_edit import external_users, splice
+from megatron_slapo.graph_edit import external_users, hooks_left_behind, splice
 from megatron_slapo.module_surgery import move_hooks
 from megatron_slapo.pattern import Subgraph
 from megatron_slapo.primitives.registry import primitive
@@ -60,6 +61,21 @@ def _move_tensors(old: nn.Module, new: nn.Module) -> list[str]:
     return mismatched
 
 
+def _arity_problem(callee: nn.Module | Callable[..., Any], n_inputs: int) -> str | None:
+    """Why ``callee`` cannot be called with the subgraph's ``n_inputs`` positional inputs, or ``None``."""
+    fn = callee.forward if isinstance(callee, nn.Module) else callee
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # some builtins have no signature: checked when they run
+        return None
+    try:
+        signature.bind(*range(n_inputs))
+    except TypeError as e:
+        what = type(callee).__name__ if isinstance(callee, nn.Module) else getattr(callee, "__name__", repr(callee))
+        return f"it has {n_inputs} input(s), and {what}{signature} cannot take them ({e})"
+    return None
+
+
 class ReplaceMixin:
     @primitive
     def replace(
@@ -77,7 +93,10 @@ class ReplaceMixin:
         error unless ``keep_weights=False``. With ``target_ops`` one subgraph is replaced
         vertically (``new_module(*its inputs)`` stands for its output(s)); several single-output
         subgraphs sharing their inputs (q, k, v) are replaced horizontally by one call whose
-        items stand for their outputs. Hooks of replaced modules move to ``new_module``.
+        items stand for their outputs; its signature must take the subgraph's inputs, and a module
+        takes the owner's train/eval mode. Hooks of replaced modules move to ``new_module`` where they
+        see the same tensors (pre-hooks of the layer that alone reads the inputs, post-hooks of the
+        layer producing the output); any other hook is refused (see ``hooks_left_behind``).
         """
         if target_ops is not None:
             self._replace_subgraphs(new_module, target_ops, name)
@@ -141,11 +160,21 @@ class ReplaceMixin:
                 raise owner._error("a horizontal replace takes single-output subgraphs")
             if any(g.inputs != groups[0].inputs for g in groups):
                 raise owner._error("a horizontal replace needs subgraphs that share their inputs (like q, k, v)")
+        arity = _arity_problem(callee, len(groups[0].inputs))
+        if arity:
+            raise owner._error(f"cannot replace the subgraph: {arity}")
+        hooks = hooks_left_behind(
+            owner.mod, [(g.nodes, g.outputs) for g in groups], groups[0].inputs, isinstance(callee, nn.Module)
+        )
+        if hooks:
+            raise owner._error(f"cannot replace the subgraph: {hooks}; replace() first, then hook the new module")
         label = name or (type(callee).__name__ if isinstance(callee, nn.Module) else callee.__name__).lower()
         try:
             splice(owner.mod, [(g.nodes, g.outputs) for g in groups], groups[0].inputs, callee, label)
         except ValueError as e:
             raise owner._error(str(e)) from e
+        if isinstance(callee, nn.Module):
+            callee.train(owner.mod.training)  # spliced into a model that may be in eval mode
         owner._refresh_children()
 
     @primitive

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from megatron_slapo.graph_edit import why_never_called
 from megatron_slapo.parallel.random import get_rng_tracker
 from megatron_slapo.primitives.forward import add_forward_wrapper
 from megatron_slapo.primitives.registry import primitive
@@ -30,5 +31,8 @@ class ForkRngMixin:
         """Run this module under the model-parallel RNG stream (dropout differs across TP ranks)."""
         if self.metadata.forked_rng:
             raise self._error("fork_rng() is already applied to this module")
+        never = why_never_called(self)
+        if never:
+            raise self._error(f"fork_rng() cannot apply: {never}; fork the RNG of a module the graph calls")
         add_forward_wrapper(self.mod, on_model_parallel_rng)
         self.metadata.forked_rng = True

@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from megatron_slapo.metadata import ShardSpec
 from megatron_slapo.parallel.collectives import Group
 from megatron_slapo.parallel.layout import shard_slice, sharded_shape
 from megatron_slapo.parallel.vocab import vocab_parallel_embedding
 from megatron_slapo.primitives.forward import set_base_forward
-from megatron_slapo.primitives.placement import Role, infer_role, linear_axes
+from megatron_slapo.primitives.placement import Role, infer_role, linear_axes, own_forward
 from megatron_slapo.primitives.registry import primitive
 
 if TYPE_CHECKING:
@@ -126,6 +127,10 @@ class ShardMixin:
             for name, t in chain(node.mod._parameters.items(), node.mod._buffers.items())
             if t is tensor
         ]
+        for node, name in holders:  # check every holder before changing any of them
+            problem = _forward_rewrite_problem(node, name, axis)
+            if problem:
+                raise node._error(problem)
         new = _sharded_copy(tensor, axis, stride, self.rank, world)
         for node, name in holders:
             node._set_tensor(name, new)
@@ -151,11 +156,45 @@ class ShardMixin:
         self.metadata.role = role
         mod = self.mod
         _update_size_attrs(mod, role)
-        if role is Role.VOCAB:
-            if mod.max_norm is not None or mod.sparse or mod.scale_grad_by_freq:
-                raise self._error("vocab-parallel Embedding does not support max_norm, sparse or scale_grad_by_freq")
+        if role is Role.VOCAB:  # _forward_rewrite_problem has checked that these rewrites are sound
             set_base_forward(mod, VocabParallelForward(self.group))
         elif role is Role.ROW and getattr(mod, "bias", None) is not None:
-            if any(mode == "fwd_post" for mode, _ in self.metadata.syncs):
-                raise self._error("shard() a row-parallel layer before sync(): its bias must follow the reduction")
             set_base_forward(mod, RowParallelForward())
+
+
+def _forward_rewrite_problem(node: Schedule, param_name: str, axis: int) -> str | None:
+    """Why sharding ``param_name`` of ``node``'s module on ``axis`` cannot rewrite its forward as it must.
+
+    Row-parallel Linear/Conv1D layers with a bias and vocabulary-parallel Embeddings get a forward
+    of our own (see :meth:`ShardMixin._after_shard`); it must compute what the layer computed, so a
+    subclass with a forward of its own is refused rather than silently changed.
+    """
+    mod = node.mod
+    role = infer_role(mod, param_name, axis)
+    rewrites = role is Role.VOCAB or (role is Role.ROW and getattr(mod, "bias", None) is not None)
+    if not rewrites:
+        return None
+    overrider = own_forward(mod)
+    if overrider is not None:
+        how = (
+            "a vocabulary-parallel embedding must look up only this rank's rows"
+            if role is Role.VOCAB
+            else "a row-parallel layer with a bias must add it after the reduction"
+        )
+        return (
+            f"cannot shard {param_name!r} on axis {axis}: {type(mod).__name__} overrides forward() "
+            f"({overrider}.forward) and {how}, which takes the place of that forward and would drop what it "
+            f"computes; replace() the layer with a plain {_known_base(mod)} and compute the rest outside it"
+        )
+    if role is Role.VOCAB and (mod.max_norm is not None or mod.sparse or mod.scale_grad_by_freq):
+        return "vocab-parallel Embedding does not support max_norm, sparse or scale_grad_by_freq"
+    if role is Role.ROW and any(mode == "fwd_post" for mode, _ in node.metadata.syncs):
+        return "shard() a row-parallel layer before sync(): its bias must follow the reduction"
+    return None
+
+
+def _known_base(mod: nn.Module) -> str:
+    for base in (nn.Linear, Conv1D, nn.Embedding):
+        if isinstance(mod, base):
+            return base.__name__
+    return type(mod).__name__

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from megatron_slapo.graph_edit import why_never_called
 from megatron_slapo.parallel import collectives as C
 from megatron_slapo.primitives.forward import base_forward
 from megatron_slapo.primitives.placement import Role, check_sync
@@ -134,7 +135,8 @@ class SyncMixin:
         partitioned (sequence parallelism); it is inferred for sharded layers and required
         otherwise. The collective is checked against what ``shard`` left behind: an all_reduce of
         a partitioned output raises. On a row-parallel layer with a bias, all_reduce and
-        reduce_scatter run before the bias add; a callable always sees the layer's output.
+        reduce_scatter run before the bias add; a callable always sees the layer's output. A module
+        that a traced ancestor's graph no longer calls (traced through) is refused: its hooks never run.
         """
         op_name = self._check_sync(mode, sync_op_or_fn, axis)
         if backward is not None and op_name != "all_gather":
@@ -161,6 +163,9 @@ class SyncMixin:
         """Validate a sync request; return the op's name."""
         if mode not in MODES:
             raise self._error(f"unknown sync mode {mode!r}; expected one of {MODES}")
+        never = why_never_called(self)
+        if never:
+            raise self._error(f"sync({mode!r}) cannot apply: {never}; sync a module that the graph calls")
         if isinstance(sync_op_or_fn, str):
             if sync_op_or_fn not in OPS:
                 raise self._error(f"unknown sync op {sync_op_or_fn!r}; expected one of {OPS} or a callable")
