@@ -8,29 +8,28 @@ embedding): the unit is materialised full-size on the CPU, initialised in post-o
 first, like HF's ``initialize_weights``) from a generator seeded by ``(seed, unit path)``, and each
 rank keeps its slices. Any layout, and the unsharded model, get identical full weights for the same
 seed, and peak extra memory is one unit. Tensors that are already real (pretrained weights, already
-sliced by ``shard``) are never touched.
+sliced by ``shard``) are never touched. Units, their order and the modules the initialiser is called
+on are those of the model before tracing (:mod:`megatron_slapo.init_tree`), so tracing (with or
+without ``flatten``) changes no initial value; :mod:`megatron_slapo.materialize` does the work.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Collection, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Collection
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megatron_slapo.errors import SchedulingError
-from megatron_slapo.metadata import ShardSpec
+from megatron_slapo.graph_edit import why_never_called
+from megatron_slapo.init_tree import init_tree, originals_see_live, units
+from megatron_slapo.materialize import InitFn, Materializer
 from megatron_slapo.parallel.collectives import comm_device
-from megatron_slapo.parallel.layout import shard_slice
 from megatron_slapo.parallel.random import get_rng_tracker
 from megatron_slapo.primitives.placement import Role, linear_axes
 from megatron_slapo.schedule import Schedule
-
-InitFn = Callable[[nn.Module], None]
-Slot = tuple[nn.Module, dict, str, torch.Tensor]  # (module, its _parameters or _buffers, key, tensor)
 
 
 def build(
@@ -72,12 +71,13 @@ def build(
 
         planned = partition(sch, recompute_pipeline_inputs).stages  # on meta: which tensors each stage uses
         keep = {id(t) for k in stages for t in (*planned[k].parameters(), *planned[k].buffers())}
-    materializer = _Materializer(sch.mod, init_weights, shards, torch.device(device))
-    with materializer.protect_finished_tensors():
-        for unit_path, modules in _units(sch.mod, ""):
-            materializer.run_unit(unit_path, modules, _derive_seed(seed, unit_path), keep)
+    tree = init_tree(sch.mod)
+    materializer = Materializer(sch.mod, tree, init_weights, shards, torch.device(device))
+    with originals_see_live(tree), materializer.protect_finished_tensors():
+        for unit_path, nodes in units(tree):
+            materializer.run_unit(nodes, _derive_seed(seed, unit_path), keep)
             if after_unit is not None:
-                after_unit([module for _, module in modules])
+                after_unit([node.live for node in nodes if node.live is not None])
     if cut:
         from megatron_slapo.pipeline import partition
 
@@ -106,6 +106,16 @@ def validate(sch: Schedule) -> None:
             )
         if "bias" in shards and "weight" not in shards and linear_axes(node.mod) is not None:
             raise node._error("the bias is sharded but the weight is not")
+        if role is Role.VOCAB or (role is Role.ROW and has_bias):
+            never = why_never_called(node)
+            if never:  # the placement's own forward (lookup of own rows / bias after the reduction) never runs
+                what = "vocabulary-parallel lookup" if role is Role.VOCAB else "bias add after the reduction"
+                raise node._error(f"{role.value}-parallel layer whose {what} cannot happen: {never}. Shard it "
+                                  "as a layer the graph calls (decompose only layers that are not row-parallel)")  # fmt: skip
+        check = getattr(node.mod, "schedule_problem", None)  # modules that know how they may be sharded
+        problem = check() if callable(check) else None
+        if problem:
+            raise node._error(problem)
         if node.metadata.forked_rng and not get_rng_tracker().is_seeded():
             raise node._error(
                 "fork_rng() needs the model-parallel RNG stream: call megatron_slapo.parallel.initialize() "
@@ -127,159 +137,3 @@ def agreed_seed(seed: int | None) -> int:
 def _derive_seed(seed: int, unit_path: str) -> int:
     digest = hashlib.sha256(f"{seed}/{unit_path}".encode()).digest()
     return int.from_bytes(digest[:8], "little") % 2**63
-
-
-def _has_container(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.ModuleList | nn.ModuleDict) for m in module.modules())
-
-
-def _post_order(module: nn.Module, path: str) -> Iterator[tuple[str, nn.Module]]:
-    for name, child in module.named_children():
-        yield from _post_order(child, f"{path}.{name}" if path else name)
-    yield path, module
-
-
-def _units(module: nn.Module, path: str) -> Iterator[tuple[str, list[tuple[str, nn.Module]]]]:
-    """Initialisation units in post-order: container-free subtrees, then each container's own tensors."""
-    if not _has_container(module):
-        yield path, list(_post_order(module, path))
-        return
-    for name, child in module.named_children():
-        yield from _units(child, f"{path}.{name}" if path else name)
-    yield path, [(path, module)]
-
-
-def _blank(shape: torch.Size, template: torch.Tensor) -> torch.Tensor:
-    """A fresh CPU tensor for ``template``'s values; floats start as NaN so partial writes show."""
-    t = torch.empty(shape, dtype=template.dtype)
-    if t.is_floating_point():
-        t.fill_(float("nan"))
-    return nn.Parameter(t, requires_grad=template.requires_grad) if isinstance(template, nn.Parameter) else t
-
-
-def _unwritten(t: torch.Tensor, version: int) -> bool:
-    """True if the initialiser never wrote ``t`` (its version counter did not move) or left NaNs."""
-    return t._version == version or (t.is_floating_point() and bool(torch.isnan(t).any()))
-
-
-class _Materializer:
-    def __init__(
-        self,
-        root: nn.Module,
-        init_weights: bool | InitFn,
-        shards: dict[int, tuple[ShardSpec, int, int]],
-        device: torch.device,
-    ) -> None:
-        self.root, self.init_weights, self.shards, self.device = root, init_weights, shards, device
-        self.done: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its materialised shard
-        self.versions: dict[int, int] = {}  # id(work tensor) -> version counter before initialisation
-        self.hf_owner = self._hf_owners(root)
-
-    @staticmethod
-    def _hf_owners(root: nn.Module) -> dict[int, nn.Module]:
-        """For each module, the nearest enclosing HF PreTrainedModel (whose ``_init_weights`` applies),
-        or a graph traced from one (the tracer keeps the model's ``_init_weights``)."""
-        try:
-            from transformers import PreTrainedModel
-        except ImportError:  # pragma: no cover - transformers is a hard dependency
-            return {}
-        owners: dict[int, nn.Module] = {}
-
-        def walk(module: nn.Module, owner: nn.Module | None) -> None:
-            owner = module if isinstance(module, PreTrainedModel) or "_init_weights" in vars(module) else owner
-            if owner is not None:
-                owners[id(module)] = owner
-            for child in module.children():
-                walk(child, owner)
-
-        walk(root, None)
-        return owners
-
-    @contextmanager
-    def protect_finished_tensors(self) -> Iterator[None]:
-        """Flag real tensors so that HF's init functions skip them (HF's own ``_is_hf_initialized``)."""
-        flagged = [t for t in self._all_tensors() if not t.is_meta and not getattr(t, "_is_hf_initialized", False)]
-        for t in flagged:
-            t._is_hf_initialized = True
-        self.flagged = flagged
-        try:
-            yield
-        finally:
-            for t in self.flagged:
-                del t._is_hf_initialized
-
-    def _all_tensors(self) -> list[torch.Tensor]:
-        seen: dict[int, torch.Tensor] = {}
-        for m in self.root.modules():
-            for table in (m._parameters, m._buffers):
-                for t in table.values():
-                    if t is not None:
-                        seen.setdefault(id(t), t)
-        return list(seen.values())
-
-    def run_unit(self, unit_path: str, modules: list[tuple[str, nn.Module]], seed: int,
-                 keep: set[int] | None = None) -> None:  # fmt: skip
-        """Materialise one unit (unless ``keep`` is given and names none of its tensors)."""
-        slots: list[Slot] = [
-            (m, table, key, t)
-            for _, m in modules
-            for table in (m._parameters, m._buffers)
-            for key, t in table.items()
-            if t is not None
-        ]
-        if not any(t.is_meta for *_, t in slots) or (keep is not None and not any(id(t) in keep for *_, t in slots)):
-            return  # nothing to materialise; per-unit seeding makes skipping layout-independent
-        work: dict[int, torch.Tensor] = {}
-        self.versions = {}
-        for _, table, key, t in slots:
-            if id(t) not in work:
-                spec = self.shards.get(id(t))
-                work[id(t)] = _blank(spec[0].full_shape if spec else t.shape, t)
-                self.versions[id(work[id(t)])] = work[id(t)]._version
-            table[key] = work[id(t)]
-        if self.init_weights is not False:
-            with torch.random.fork_rng(devices=[]), torch.no_grad():
-                torch.manual_seed(seed)
-                for path, module in modules:
-                    self._initialize(path, module)
-        for module, table, key, t in slots:
-            table[key] = self._finish(module, key, t, work[id(t)])
-
-    def _initialize(self, path: str, module: nn.Module) -> None:
-        if callable(self.init_weights):
-            self.init_weights(module)
-            return
-        owner = self.hf_owner.get(id(module))
-        if owner is not None:
-            owner._init_weights(module)
-        direct = [t for table in (module._parameters, module._buffers) for t in table.values() if t is not None]
-        if hasattr(module, "reset_parameters") and any(self._unwritten(t) for t in direct):
-            module.reset_parameters()
-
-    def _unwritten(self, t: torch.Tensor) -> bool:
-        version = self.versions.get(id(t))
-        return version is not None and _unwritten(t, version)
-
-    def _finish(self, module: nn.Module, key: str, original: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        if not original.is_meta:
-            return original
-        if id(original) in self.done:
-            return self.done[id(original)]
-        if self.init_weights is not False and self._unwritten(full):
-            raise SchedulingError(
-                f"{type(module).__name__}.{key} was not initialised by the model's init function; "
-                "pass build(..., init_weights=fn) with an initialiser for it"
-            )
-        data = full.detach()
-        spec = self.shards.get(id(original))
-        if spec is not None:
-            shard, rank, world = spec
-            data = shard_slice(data, shard.axis, shard.stride, rank, world)
-        data = data.to(self.device).contiguous()
-        new = nn.Parameter(data, requires_grad=original.requires_grad) if isinstance(original, nn.Parameter) else data
-        new.__dict__.update(original.__dict__)  # annotations and Megatron's TP attributes
-        if not getattr(new, "_is_hf_initialized", False):
-            new._is_hf_initialized = True  # later (ancestor) units must not re-initialise it
-            self.flagged.append(new)
-        self.done[id(original)] = new
-        return new

@@ -13,12 +13,18 @@ one dim is gathered first), then, after one backward pass, every parameter gradi
 gathered and reassembled). All ranks agree on the verdict; a mismatch raises
 :class:`VerificationError` naming the worst offenders. Slapo's Verify checked only the forward.
 
+A parameter that a primitive renamed is compared too when its module says where it came from
+(``param_origins()``, e.g. a fused q|k|v projection: the concatenation of the original layers'
+gradients). Any parameter left without a counterpart is listed in ``report.unchecked`` with the
+reason, and an :class:`UncheckedGradientsWarning` names them: nothing is skipped silently.
+
 Dropout makes runs incomparable: verify in ``eval()`` mode or with dropout probabilities of 0.
 """
 
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,14 +51,23 @@ class VerificationError(AssertionError):
     """The scheduled model does not reproduce the original."""
 
 
+class UncheckedGradientsWarning(UserWarning):
+    """Verify could not compare some parameters' gradients (listed, with the reason)."""
+
+
 @dataclass
 class VerifyReport:
     """Largest absolute difference per compared output and gradient."""
 
     outputs: dict[str, float] = field(default_factory=dict)
     grads: dict[str, float] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)  # parameters with no counterpart by name
+    unchecked: dict[str, str] = field(default_factory=dict)  # parameter -> why its gradient was not compared
     failures: list[str] = field(default_factory=list)
+
+    @property
+    def skipped(self) -> list[str]:
+        """The parameters whose gradients were not compared (see ``unchecked`` for why)."""
+        return list(self.unchecked)
 
 
 class Verify:
@@ -89,11 +104,18 @@ class Verify:
                 f"Verify must wrap the whole schedule, but {', '.join(scheduled[:3])} already has primitives applied"
             )
         self.reference = copy.deepcopy(self.sch.mod)
+        # Where each module was before scheduling (held, so that ids stay valid): renamed
+        # parameters are traced back through their modules' param_origins().
+        self.original_modules = dict(self.sch.mod.named_modules(remove_duplicate=False))
+        self.original_paths = {id(m): path for path, m in self.original_modules.items()}
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            self.report = self.run()
+        try:
+            if exc_type is None:
+                self.report = self.run()
+        finally:
+            self.original_modules = self.original_paths = {}  # let replaced modules (and weights) go
         return False
 
     def run(self) -> VerifyReport:
@@ -142,19 +164,55 @@ class Verify:
 
     def _compare_grads(self, report: VerifyReport, model: nn.Module, reference: nn.Module, group: Group) -> None:
         ref_params = dict(reference.named_parameters())
+        origins = self._origins(model)
         for name, p in model.named_parameters():
-            ref = ref_params.get(name)
-            if ref is None:
-                report.skipped.append(name)
+            ref_grad = self._reference_grad(name, ref_params, origins, report)
+            if ref_grad is False:
                 continue
             grad = p.grad
             if grad is not None and getattr(p, "tensor_model_parallel", False) and group_size(group) > 1:
                 parts = gather_tensor(grad.unsqueeze(0), 0, group).unbind(0)
                 grad = unshard(parts, p.partition_dim, p.partition_stride)
-            if (grad is None) != (ref.grad is None):
+            if (grad is None) != (ref_grad is None):
                 report.failures.append(f"grad of {name}: {'missing' if grad is None else 'unexpected'}")
             elif grad is not None:
-                self._compare(report, report.grads, f"grad of {name}", grad, ref.grad)
+                self._compare(report, report.grads, f"grad of {name}", grad, ref_grad)
+        if report.unchecked:
+            listed = "; ".join(f"{name} ({why})" for name, why in report.unchecked.items())
+            warnings.warn(f"Verify did not compare the gradients of: {listed}", UncheckedGradientsWarning, stacklevel=3)
+
+    def _origins(self, model: nn.Module) -> dict[str, tuple[int, list[str]]]:
+        """Renamed parameters of ``model`` -> (dim, the original parameter names they concatenate)."""
+        found: dict[str, tuple[int, list[str]]] = {}
+        for prefix, module in model.named_modules():
+            origins = getattr(module, "param_origins", None)
+            for local, (dim, sources) in (origins() if callable(origins) else {}).items():
+                paths = [self.original_paths.get(id(layer)) for layer, _ in sources]
+                if None not in paths:
+                    names = [f"{path}.{key}" if path else key for path, (_, key) in zip(paths, sources, strict=True)]
+                    found[f"{prefix}.{local}" if prefix else local] = (dim, names)
+        return found
+
+    @staticmethod
+    def _reference_grad(name: str, ref_params: dict, origins: dict, report: VerifyReport) -> torch.Tensor | None | bool:
+        """The reference gradient for ``name`` (``None`` if it has none), or ``False`` if unknown."""
+        if name in ref_params:
+            return ref_params[name].grad
+        if name not in origins:
+            report.unchecked[name] = "no parameter of this name in the original model, and no recorded origin"
+            return False
+        dim, sources = origins[name]
+        missing = [s for s in sources if s not in ref_params]
+        if missing:
+            report.unchecked[name] = f"its origins {missing} are not parameters of the original model"
+            return False
+        grads = [ref_params[s].grad for s in sources]
+        if all(g is None for g in grads):
+            return None
+        if any(g is None for g in grads):
+            report.failures.append(f"grad of {name}: only some of its origins {sources} have gradients")
+            return False
+        return torch.cat(grads, dim)
 
 
 def _paired_outputs(out: Any, ref_out: Any, group: Group, report: VerifyReport) -> dict:

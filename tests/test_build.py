@@ -142,3 +142,67 @@ def test_a_layer_sharded_only_through_a_tie_must_be_scheduled():
     sch["transformer.wte"].sync("fwd_post", "all_reduce")
     with pytest.raises(ms.SchedulingError, match=r"\[lm_head\] 'weight' is tied to a tensor sharded elsewhere"):
         ms.build(sch)
+
+
+def test_init_functions_may_write_through_data_or_assign_it():
+    """``.data`` shares the storage but not the version counter: such writes count as writes."""
+
+    def init(module):
+        for name, p in module.named_parameters(recurse=False):
+            if name == "weight":
+                p.data.normal_()  # in place through .data
+            else:
+                p.data = torch.full_like(p, 0.25)  # a new tensor assigned to .data
+        for b in module.buffers(recurse=False):
+            b.data.fill_(3)
+
+    class WithCounter(nn.Linear):
+        def __init__(self):
+            super().__init__(4, 4)
+            self.register_buffer("count", torch.zeros(2, dtype=torch.long))
+
+    with torch.device("meta"):
+        model = nn.Sequential(WithCounter(), nn.LayerNorm(4))
+    ms.build(ms.create_schedule(model), init_weights=init, seed=0)
+    assert model[0].weight.std() > 0.2 and torch.equal(model[0].bias, torch.full((4,), 0.25))
+    assert torch.equal(model[0].count, torch.full((2,), 3)) and torch.equal(model[1].bias, torch.full((4,), 0.25))
+
+    with torch.device("meta"):
+        model = nn.Sequential(WithCounter())
+    with pytest.raises(ms.SchedulingError, match=r"WithCounter.count was not initialised"):
+        ms.build(ms.create_schedule(model), init_weights=lambda m: [p.data.zero_() for p in m.parameters(False)])
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ms.SchedulingError, match=r"replaced Linear.weight with a torch.float32 tensor of shape \(2,\)"):
+        ms.build(ms.create_schedule(model), init_weights=lambda m: [setattr(p, "data", torch.zeros(2)) for p in
+                                                                   m.parameters(recurse=False)])  # fmt: skip
+
+
+NEO = transformers.GPTNeoConfig(
+    vocab_size=128, max_position_embeddings=64, hidden_size=32, num_layers=2, num_heads=4, window_size=8,
+    attention_types=[[["global", "local"], 1]], embed_dropout=0.0, attention_dropout=0.0, resid_dropout=0.0,
+    bos_token_id=0, eos_token_id=0)  # fmt: skip
+MODELS = {
+    "gpt2": (transformers.GPT2LMHeadModel, tiny_gpt2_config(), {"use_cache": False}),  # GPT2Attention's scaled c_proj
+    "gpt_neo": (transformers.GPTNeoForCausalLM, NEO, {"use_cache": False}),  # causal-mask buffer set by isinstance
+    "llama": (transformers.LlamaForCausalLM, tiny_llama_config(), {"use_cache": False}),  # rotary inv_freq
+    "bert": (transformers.BertForMaskedLM, tiny_bert_config(), None),  # buffers computed on in forward
+}
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["levels", "flat"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_initial_values_do_not_depend_on_tracing(name, flatten):
+    """Tracing registers children in graph order and turns classes HF's _init_weights dispatches on
+    into GraphModules; build still initialises every tensor as in the untraced model."""
+    cls, cfg, constants = MODELS[name]
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    untraced = ms.build(ms.create_schedule(meta(cls, cfg)), seed=3)
+    sch = ms.create_schedule(meta(cls, cfg))
+    sch.trace(example_inputs={"input_ids": ids}, concrete_args=constants, flatten=flatten)
+    traced = ms.build(sch, seed=3)
+    expected = {**untraced.state_dict(), **dict(untraced.named_buffers())}
+    got = {**traced.state_dict(), **dict(traced.named_buffers())}
+    assert list(traced.state_dict()) == list(untraced.state_dict())  # same keys: non-persistent buffers stay so
+    assert [k for k in got if not torch.equal(got[k], expected[k])] == []  # buffers fx dropped are unused
+    assert torch.equal(traced.eval()(ids, **(constants or {})).logits, untraced.eval()(ids).logits)

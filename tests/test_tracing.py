@@ -8,6 +8,7 @@ import transformers
 from torch import nn
 from transformers.models.bert.modeling_bert import BertLayer, BertSelfAttention
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Block
+from transformers.models.gpt_neo.modeling_gpt_neo import GPTNeoSelfAttention
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 from transformers.models.opt.modeling_opt import OPTDecoderLayer
 from transformers.models.t5.modeling_t5 import T5Block
@@ -44,6 +45,13 @@ def _bert_cfg():
     return tiny_bert_config(attention_probs_dropout_prob=DROP, hidden_dropout_prob=DROP)
 
 
+def _neo_cfg():  # one global and one local (sliding-window) attention layer
+    return transformers.GPTNeoConfig(
+        vocab_size=128, max_position_embeddings=64, hidden_size=H, num_layers=2, num_heads=4, window_size=8,
+        attention_types=[[["global", "local"], 1]], attention_dropout=DROP, resid_dropout=DROP, embed_dropout=DROP,
+        bos_token_id=0, eos_token_id=0)  # fmt: skip
+
+
 CASES = {
     "GPT2Attention": (lambda: GPT2Attention(_gpt2_cfg(), layer_idx=0), lambda: {"hidden_states": _h()}, {}),
     "GPT2Block": (lambda: GPT2Block(_gpt2_cfg(), layer_idx=0), lambda: {"hidden_states": _h()}, {"use_cache": False}),
@@ -59,6 +67,10 @@ CASES = {
                 lambda: {"hidden_states": _h()}, {}),
     "GPT2LMHeadModel": (lambda: transformers.GPT2LMHeadModel(_gpt2_cfg()), lambda: {"input_ids": _ids()},
                         {"use_cache": False}),
+    # Real (non-meta) weights: the causal-mask buffer meets torch.tensor(min, device=x.device) in torch.where.
+    "GPTNeoSelfAttention": (lambda: GPTNeoSelfAttention(_neo_cfg(), "local"), lambda: {"hidden_states": _h()}, {}),
+    "GPTNeoForCausalLM": (lambda: transformers.GPTNeoForCausalLM(_neo_cfg()), lambda: {"input_ids": _ids()},
+                          {"use_cache": False}),
     "BertForMaskedLM": (lambda: transformers.BertForMaskedLM(_bert_cfg()), lambda: {"input_ids": _ids()}, {}),
     "LlamaForCausalLM": (lambda: transformers.LlamaForCausalLM(_llama_cfg()), lambda: {"input_ids": _ids()},
                          {"use_cache": False}),
@@ -198,3 +210,27 @@ def test_guard_covers_omitted_constants_and_dtypes():
         traced(torch.ones(2))  # the default (False) is not what was traced
     with pytest.raises(TraceError, match=r"shape \(2,\) \(float32\) and called with shape \(2,\) \(float64\)"):
         traced(torch.ones(2, dtype=torch.float64), flag=True)
+
+
+class SizesAndRealTensors(nn.Module):
+    """``x.size(0)`` (MetaProxy.size returned the whole shape for dim 0) and a real tensor that is no
+    registered buffer meeting meta values in ``torch.where`` (MetaTracer's meta evaluation failed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+        self.keep = torch.tensor([True, False, True, True])  # a plain attribute: stays a real tensor
+
+    def forward(self, x):
+        y = self.proj(x.reshape(x.size(0), -1, 8))
+        floor = torch.tensor(-1.0, dtype=y.dtype, device=y.device)
+        return torch.where(self.keep, y, floor).reshape(x.size(0), -1)
+
+
+def test_size_of_dim_zero_and_real_tensors_next_to_traced_values():
+    module = SizesAndRealTensors()
+    x = torch.randn(2, 3, 8)
+    sch = ms.create_schedule(copy.deepcopy(module))
+    sch.trace(example_inputs=x)
+    out = sch.mod(x)
+    assert out.shape == (2, 12) and torch.equal(out, module(x))

@@ -1,10 +1,16 @@
-"""Linear layers with the bias add as a separate op, so it can fuse with what follows."""
+"""Linear layers with the bias add as a separate op, so it can fuse with what follows.
+
+Both are subclasses of the layer they decompose and compute the same maths, so ``shard`` gives
+them the same placement (column / row parallel, a row-parallel bias added once after the
+reduction); see :mod:`megatron_slapo.primitives.placement`.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 
 class DecomposedLinear(nn.Linear):
@@ -17,16 +23,10 @@ class DecomposedLinear(nn.Linear):
         return out + self.bias if self.bias is not None else out
 
 
-class DecomposedConv1D(nn.Module):
-    """HF ``Conv1D`` (weight stored as in x out) computed as ``matmul`` then ``+ bias``."""
+class DecomposedConv1D(Conv1D):
+    """HF ``Conv1D`` (weight stored as in x out) computed as ``matmul`` then ``+ bias``; traced through."""
 
     slapo_inline = True
-
-    def __init__(self, nf: int, nx: int) -> None:
-        super().__init__()
-        self.nf, self.nx = nf, nx
-        self.weight = nn.Parameter(torch.empty(nx, nf))
-        self.bias = nn.Parameter(torch.empty(nf))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.matmul(x, self.weight) + self.bias

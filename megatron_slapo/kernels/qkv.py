@@ -1,31 +1,119 @@
-"""One projection for q, k and v (three GEMMs become one)."""
+"""One projection for q, k and v (three GEMMs become one), tensor-parallel aware.
+
+Under tensor parallelism the fused projection is column-parallel with Megatron's stride layout
+(``shard("weight", axis=0, stride=3)``, see :mod:`megatron_slapo.parallel.layout`): each rank
+holds its own heads of q, k and v, one after the other, so its output splits into *local* sizes
+(the global ones divided by the TP size). The layout is checked before anything runs
+(:meth:`FusedQKV.schedule_problem`, called by ``build``'s validation).
+
+The fused tensors remember the layers they were made from (:meth:`FusedQKV.param_origins`), so
+``build`` initialises them as the concatenation of what those layers would have been initialised
+to, and ``Verify`` compares their gradients with the concatenated gradients of the originals.
+"""
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 from torch import nn
+
+from megatron_slapo.parallel.layout import shard_slice
+
+ParamOrigins = dict[str, tuple[int, list[tuple[nn.Module, str]]]]
+
+
+@functools.lru_cache(maxsize=64)
+def _local_sizes(sizes: tuple[int, ...], local: int, stride: int, head_dim: int | None) -> tuple[int, ...] | str:
+    """The per-rank sizes of ``sizes`` when a row-sharded ``sum(sizes)`` axis keeps ``local`` rows
+    per rank with ``stride``; or why that layout does not give every rank whole, contiguous parts."""
+    total = sum(sizes)
+    if total % local:
+        return f"its projection has {local} output rows on this rank, which does not divide {total}"
+    world = total // local
+    if any(size % world for size in sizes):
+        return f"sizes {list(sizes)} are not all divisible by the tensor-parallel size {world}"
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    for rank in range(world):
+        rows = shard_slice(torch.arange(total), 0, stride, rank, world)
+        own = [
+            torch.arange(o + rank * s // world, o + (rank + 1) * s // world)
+            for o, s in zip(offsets, sizes, strict=True)
+        ]
+        if not torch.equal(rows, torch.cat(own)):
+            return (
+                f"sharding its projection with stride {stride} over {world} ranks does not give each rank its own "
+                f"part of q, k and v in turn (sizes {list(sizes)}); shard proj.weight and proj.bias with stride "
+                f"{len(sizes)} (equal sizes), or shard separate q, k, v layers instead"
+            )
+    local_sizes = tuple(size // world for size in sizes)
+    if head_dim is not None and any(size % head_dim for size in local_sizes):
+        return f"each rank would hold {list(local_sizes)} features, not whole heads of {head_dim}"
+    return local_sizes
 
 
 class FusedQKV(nn.Module):
     """``x -> (q(x), k(x), v(x))`` with the three Linear layers concatenated into one.
 
     Built from existing layers (:meth:`from_linears`), so pretrained weights carry over.
+    ``head_dim``, if given, makes sharding check that every rank holds whole heads.
     """
 
-    def __init__(self, in_features: int, out_features: tuple[int, int, int], bias: bool = True) -> None:
+    def __init__(
+        self, in_features: int, out_features: tuple[int, int, int], bias: bool = True, head_dim: int | None = None
+    ) -> None:
         super().__init__()
         self.sizes = list(out_features)
+        self.head_dim = head_dim
         self.proj = nn.Linear(in_features, sum(out_features), bias=bias)
+        self._origins: list[weakref.ref] = []  # weak: the originals must not stay alive for this
 
     @classmethod
-    def from_linears(cls, q: nn.Linear, k: nn.Linear, v: nn.Linear) -> FusedQKV:
-        fused = cls(q.in_features, (q.out_features, k.out_features, v.out_features), bias=q.bias is not None)
-        fused.to(device=q.weight.device, dtype=q.weight.dtype)
-        with torch.no_grad():
-            fused.proj.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
-            if q.bias is not None:
-                fused.proj.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
+    def from_linears(cls, q: nn.Linear, k: nn.Linear, v: nn.Linear, head_dim: int | None = None) -> FusedQKV:
+        """Fuse three Linear layers (on any device, meta included) into one projection."""
+        with torch.device(q.weight.device):
+            fused = cls(q.in_features, (q.out_features, k.out_features, v.out_features), q.bias is not None, head_dim)
+        fused.to(dtype=q.weight.dtype)
+        if not q.weight.is_meta:
+            with torch.no_grad():
+                fused.proj.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
+                if q.bias is not None:
+                    fused.proj.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
+        fused._origins = [weakref.ref(m) for m in (q, k, v)]
         return fused
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_origins"] = []  # weak references neither pickle nor mean anything elsewhere
+        return state
+
+    def param_origins(self) -> ParamOrigins:
+        """``{parameter: (dim, [(original layer, its parameter), ...])}``: each fused parameter is the
+        concatenation along ``dim`` of the originals' (empty if the originals are gone)."""
+        layers = [ref() for ref in self._origins]
+        if not layers or any(layer is None for layer in layers):
+            return {}
+        names = ["weight"] + (["bias"] if self.proj.bias is not None else [])
+        return {f"proj.{name}": (0, [(layer, name) for layer in layers]) for name in names}
+
+    def _split(self) -> tuple[int, ...] | str:
+        weight = self.proj.weight
+        if not getattr(weight, "tensor_model_parallel", False) or weight.partition_dim != 0:
+            return tuple(self.sizes)  # unsharded, or sharded on the input features: full-size outputs
+        return _local_sizes(tuple(self.sizes), weight.size(0), weight.partition_stride, self.head_dim)
+
+    def schedule_problem(self) -> str | None:
+        """Why this rank's shard of the projection cannot be split into its q, k and v, or ``None``."""
+        split = self._split()
+        return f"FusedQKV: {split}" if isinstance(split, str) else None
+
+    def split_sizes(self) -> list[int]:
+        """This rank's sizes of q, k and v in the projection's output."""
+        split = self._split()
+        if isinstance(split, str):
+            raise ValueError(f"FusedQKV: {split}")
+        return list(split)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return tuple(self.proj(x).split(self.sizes, dim=-1))
+        return tuple(self.proj(x).split(self.split_sizes(), dim=-1))

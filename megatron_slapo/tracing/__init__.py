@@ -16,7 +16,9 @@ and decoder blocks (../shared/notes/cpu-feasibility.md §3). Three things make i
    nodes, so ``sch["h.0.attn"]`` still addresses the attention module after tracing ``h.0``. The
    call of each child is recorded with its argument shapes, so children can be traced in turn.
 
-HF ``ModelOutput`` return values are rebuilt as such (fx would flatten them into dicts).
+HF ``ModelOutput`` return values are rebuilt as such (fx would flatten them into dicts), and each
+``GraphModule`` keeps its module's shape (``module_shape.py``: layer lists, parameter names, buffer
+persistence, child order), so tracing changes how a model runs, never what it looks like.
 """
 
 from megatron_slapo.tracing.guard import CallGuard, TraceError

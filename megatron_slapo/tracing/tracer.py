@@ -5,13 +5,11 @@ See :mod:`megatron_slapo.tracing` for the approach.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import operator
 import traceback
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,40 +23,11 @@ from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput
 
 from megatron_slapo.tracing.guard import CallGuard, TraceError, forward_signature
-
-
-def _metas(value: Any) -> Any:
-    """MetaTracer's proxys_to_metas, plus attribute proxies (``outputs.last_hidden_state``), whose
-    meta MetaTracer never computes: it is the attribute of the owner's meta."""
-    if isinstance(value, meta_tracer.MetaAttribute) and not isinstance(value, meta_tracer.MetaDeviceAttribute):
-        if "_tensor_meta" not in value.__dict__:
-            return getattr(_metas(value.root), value.attr)
-    return _original_proxys_to_metas(value)
-
-
-_original_proxys_to_metas = meta_tracer.proxys_to_metas
-
-
-@contextlib.contextmanager
-def _meta_tracer_fixes() -> Iterator[None]:
-    """Two fixes to torch's MetaTracer, in effect only while we trace:
-
-    - its ``torch.where`` override breaks on HF's ``torch.where(mask, 0.0, min)``; torch.where runs
-      on meta tensors natively, so the override is dropped;
-    - it never computes metas of attribute proxies (``outputs.last_hidden_state``): see :func:`_metas`.
-    """
-    where = meta_tracer.manual_meta_overrides.pop(torch.where, None)
-    previous = meta_tracer.proxys_to_metas  # re-entrant: child levels are traced inside a parent's trace
-    meta_tracer.proxys_to_metas = _metas  # MetaTracer looks it up in its module at call time
-    try:
-        yield
-    finally:
-        meta_tracer.proxys_to_metas = previous
-        if where is not None:
-            meta_tracer.manual_meta_overrides[torch.where] = where
-
+from megatron_slapo.tracing.meta_fixes import all_metas, evaluate_on_meta, has_real_tensor, meta_tracer_fixes, metas
+from megatron_slapo.tracing.module_shape import graph_module
 
 _ORIGINAL_MODULE_CALL = nn.Module.__call__
+ORIGINAL = "slapo_original"  # GraphModule.meta key: the module a level was traced from, if it had meta tensors
 # Layers that stay one node, besides every module defined in torch.nn (fx's default): HF's Conv1D
 # and HF's activation modules (so that find() can match them against F.gelu and friends).
 LEAF_TYPES: tuple[type[nn.Module], ...] = (Conv1D,) + tuple(
@@ -167,7 +136,7 @@ def level_children(module: nn.Module) -> set[str]:
 def _to_meta(value: Any) -> Any:
     """The meta tensors behind a (possibly nested) traced output, containers and ModelOutputs kept."""
     if isinstance(value, fx.Proxy):
-        return _metas(value)
+        return metas(value)
     if isinstance(value, ModelOutput):
         return type(value)(**{k: _to_meta(v) for k, v in value.items()})
     if isinstance(value, (tuple, list)):
@@ -180,7 +149,11 @@ def _to_meta(value: Any) -> Any:
 class _Tracer(MetaTracer):
     """MetaTracer for one level: leaf layers are evaluated on a meta copy; child levels are traced
     (recursively) and their traced output shapes used, so no child runs eagerly on meta tensors
-    (HF mask code, for one, calls ``.item()`` when it is not being traced)."""
+    (HF mask code, for one, calls ``.item()`` when it is not being traced). Buffers are read in the
+    graph (``get_attr``) rather than at trace time, so what is computed from them (BERT's
+    ``token_type_ids`` gathered by position) is recomputed from their values when the graph runs."""
+
+    proxy_buffer_attributes = True
 
     def __init__(self, module: nn.Module, path: str, flatten: bool, user_leaves: tuple[type, ...]) -> None:
         super().__init__()
@@ -201,7 +174,7 @@ class _Tracer(MetaTracer):
         """Branches on static metadata (``mask.ndim == 2``) are decided now, from the example inputs'
         metas: the graph is specialised to their shapes anyway. Data-dependent ones still fail."""
         try:
-            meta = _metas(obj) if isinstance(obj, meta_tracer.MetaProxy) else None
+            meta = metas(obj) if isinstance(obj, meta_tracer.MetaProxy) else None
         except AttributeError:  # no meta was computed for it
             meta = None
         if isinstance(meta, (bool, int)):
@@ -209,11 +182,13 @@ class _Tracer(MetaTracer):
         return super().to_bool(obj)
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        if kind in ("call_function", "call_method") and has_real_tensor((args, kwargs)):
+            return self._create_mixed_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         if kind != "call_module":
             return super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         proxy = fx.Tracer.create_proxy(self, kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         qualname = target[len("inner.") :]
-        meta_args, meta_kwargs = fx.node.map_aggregate((args, kwargs), _metas)
+        meta_args, meta_kwargs = fx.node.map_aggregate((args, kwargs), metas)
         child = self.module.get_submodule(qualname)
         if qualname in self.levels and not is_builtin_leaf(child) and not isinstance(child, self.user_leaves):
             call = make_call(child, meta_args, meta_kwargs)
@@ -226,7 +201,28 @@ class _Tracer(MetaTracer):
                 self._disable_module_getattr = False
             proxy.install_tensor_meta(self.children[qualname].output_meta)
         else:
+            meta_args, meta_kwargs = fx.node.map_aggregate((meta_args, meta_kwargs), all_metas)  # weights are meta
             proxy.install_tensor_meta(self._run_on_meta(target, meta_args, meta_kwargs))
+        return proxy
+
+    def _create_mixed_proxy(self, kind, target, args, kwargs, name, type_expr, proxy_factory_fn) -> fx.Proxy:
+        """An op on proxies *and* real tensors (a real module's buffer, as in GPT-Neo's
+        ``torch.where(self.bias[...], attn_weights, mask_value)``). MetaTracer evaluates it with the real
+        tensors as they are, which works when their values matter (indexing with a real mask) but fails
+        when they meet meta tensors; then the op is evaluated again with the real tensors on meta."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
+        if "_tensor_meta" not in proxy.__dict__:
+            try:
+                meta = evaluate_on_meta(kind, target, args, kwargs)
+            except Exception:  # noqa: BLE001 - the first failure is the one to report
+                pass
+            else:
+                proxy.install_tensor_meta(meta)
+                caught = []
+        for w in caught:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         return proxy
 
     def _run_on_meta(self, target: str, args: tuple, kwargs: dict) -> Any:
@@ -348,7 +344,7 @@ def trace_level(
     tracer = _Tracer(module, path, flatten, tuple(user_leaves))
     metas = {name: t.to("meta") for name, t in call.flat_inputs()}
     try:
-        with _meta_tracer_fixes(), warnings.catch_warnings():
+        with meta_tracer_fixes(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", module="transformers")  # HF's tracing-time advice
             graph = tracer.trace(wrapper, metas)
     except TraceError:
@@ -366,55 +362,14 @@ def trace_level(
     for child in tracer.children.values():
         child.call.sources = fx.node.map_arg(child.call.sources, lambda n: moved.get(n, n))
     _rebuild_model_output(graph, wrapper.__dict__.get("out_type"))
-    gm = fx.GraphModule(_graph_root(module, graph, constants), graph, f"Traced{type(module).__name__}")
-    _keep_containers(gm, module)
-    _keep_parameters(gm, module)
+    gm = graph_module(module, graph, constants)
     if hasattr(module, "_init_weights"):  # an HF model's initialiser: build() still needs it for new weights
         gm._init_weights = module._init_weights
+    if any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+        gm.meta[ORIGINAL] = module  # build() initialises as the untraced module would (megatron_slapo/init_tree.py)
     gm.train(module.training)
     gm.register_forward_pre_hook(CallGuard(path, module, call), with_kwargs=True)
     return Traced(gm, call, tracer.children, _to_meta(wrapper.__dict__.get("out")))
-
-
-def _graph_root(module: nn.Module, graph: fx.Graph, constants: dict[str, Any]) -> dict[str, Any]:
-    """What the GraphModule holds: what the graph refers to (see :func:`_keep_parameters` for the rest)."""
-    root: dict[str, Any] = dict(constants)
-    for node in graph.nodes:
-        if node.op == "call_module":
-            root[node.target] = module.get_submodule(node.target)
-        elif node.op == "get_attr" and node.target not in constants:
-            owner, _, name = node.target.rpartition(".")
-            root[node.target] = getattr(module.get_submodule(owner) if owner else module, name)
-    return root
-
-
-def _keep_containers(gm: fx.GraphModule, module: nn.Module) -> None:
-    """A ``ModuleList`` of called layers stays a ``ModuleList`` (fx would rebuild it as a plain
-    ``Module``): ``build`` initialises per layer, and the trainer finds the layers, by that type."""
-    for name, container in module.named_modules():
-        if not name or not isinstance(container, nn.ModuleList):
-            continue
-        owner_path, _, leaf = name.rpartition(".")
-        try:
-            rebuilt = gm.get_submodule(name)
-            owner = gm.get_submodule(owner_path) if owner_path else gm
-        except AttributeError:
-            continue  # the graph calls none of its layers
-        if type(rebuilt) is nn.Module and all(c is container._modules.get(k) for k, c in rebuilt._modules.items()):
-            setattr(owner, leaf, container)
-
-
-def _keep_parameters(gm: fx.GraphModule, module: nn.Module) -> None:
-    """Parameters the graph does not refer to keep their place too (a tied alias such as BERT's
-    ``cls.predictions.bias`` keeps its state-dict name), wherever their owner is in the GraphModule."""
-    for name, param in module.named_parameters(remove_duplicate=False):
-        owner_path, _, leaf = name.rpartition(".")
-        try:
-            owner = gm.get_submodule(owner_path) if owner_path else gm
-        except AttributeError:
-            continue  # a submodule the graph never calls
-        if leaf not in owner._parameters:
-            owner.register_parameter(leaf, param)
 
 
 def install(traced: Traced, recursive: bool = True) -> fx.GraphModule:
