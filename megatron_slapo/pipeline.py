@@ -5,8 +5,9 @@ partitioner takes the traced root graph, inlines the traced levels between the r
 (so all cuts lie in one graph), assigns every node to a stage, and builds one GraphModule per
 stage. A liveness pass decides what crosses each cut: every value computed before the cut and used
 after it (model inputs such as the attention mask included) is an output of the stage before and an
-input of the stage after; values only passing through are forwarded. Weights used by several
-stages (tied embeddings) are reported, because the engine must keep their copies in sync.
+input of the stage after; values only passing through are forwarded, and values derived from the
+model's inputs alone may instead be recomputed by each stage (``recompute_inputs``). Weights used by
+several stages (tied embeddings) are reported, because the engine must keep their copies in sync.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from torch import nn
 from megatron_slapo.errors import SchedulingError
 from megatron_slapo.graph_edit import graph_order, inline
 from megatron_slapo.kernels.subgraph import SubgraphModule
+from megatron_slapo.pipeline_inputs import Derivation, input_derived, stand_in
+from megatron_slapo.primitives.sync import InputSync, OutputSync
 from megatron_slapo.tracing import CallGuard
 
 if TYPE_CHECKING:
@@ -73,6 +76,7 @@ def _flat_root(sch: Schedule, cut_paths: list[str]) -> fx.GraphModule:
     """The root graph with every traced level on the way to a cut inlined (modules are shared)."""
     if not isinstance(sch.mod, fx.GraphModule):
         raise SchedulingError("pipeline cuts need a traced model: trace() the root schedule first")
+    _refuse_dropped(sch)
     flat = fx.GraphModule(sch.mod, copy.deepcopy(sch.mod.graph), "Flat" + type(sch.mod).__name__)
     for path in cut_paths:
         while not any(n.op == "call_module" and n.target == path for n in flat.graph.nodes):
@@ -81,6 +85,7 @@ def _flat_root(sch: Schedule, cut_paths: list[str]) -> fx.GraphModule:
             )
             if caller is None or not isinstance(flat.get_submodule(caller.target), fx.GraphModule):
                 raise SchedulingError(f"[{path}] cut_pipeline_stage: no traced level calls this module")
+            _refuse_dropped(sch[caller.target])
             try:
                 inline(flat, caller)
             except ValueError as e:
@@ -88,6 +93,32 @@ def _flat_root(sch: Schedule, cut_paths: list[str]) -> fx.GraphModule:
     flat.graph.lint()
     flat.recompile()
     return flat
+
+
+def _refuse_dropped(level: Schedule) -> None:
+    """Refuse what the partitioner would silently drop from a traced level it takes apart (the root,
+    and each level it inlines on the way to a cut): the stages run that level's graph nodes, never
+    the module itself, so its hooks (``sync`` included) and forward wrappers would not run. Its call
+    guard is not lost: the root's checks stage 0's inputs, and inlined levels' inputs are internal."""
+    module, meta = level.mod, level.metadata
+    found = [f"sync({mode!r}, {getattr(op, '__name__', op)!r})" for mode, op in sorted(meta.syncs, key=repr)]
+    if meta.checkpointed:
+        found.append("checkpoint()")
+    if meta.forked_rng:
+        found.append("fork_rng()")
+    registered = (*module._forward_pre_hooks.values(), *module._forward_hooks.values(),
+                  *module._backward_pre_hooks.values(), *module._backward_hooks.values())  # fmt: skip
+    hooks = [h for h in registered if not isinstance(h, (CallGuard, InputSync, OutputSync))]  # syncs: listed above
+    if hooks:
+        found.append(f"{len(hooks)} hook(s)")
+    if "forward" in module.__dict__ and not (meta.checkpointed or meta.forked_rng):
+        found.append("a replaced forward")
+    if found:
+        raise SchedulingError(
+            f"[{level.path or '<root>'}] {', '.join(found)} on this traced level would be dropped by pipeline "
+            "partitioning: the stages run the nodes of its graph, not the module; apply them to a module "
+            "the stages call (a transformer layer, the embedding, the head)"
+        )
 
 
 def _assign_stages(graph: fx.Graph, cut_paths: list[str]) -> dict[fx.Node, int]:
@@ -103,43 +134,21 @@ def _assign_stages(graph: fx.Graph, cut_paths: list[str]) -> dict[fx.Node, int]:
     return stage_of
 
 
-def _live_across(graph: fx.Graph, stage_of: dict[fx.Node, int], boundary: int) -> list[fx.Node]:
-    """Values computed before stage ``boundary`` and used in it or later."""
+def _live_across(graph: fx.Graph, stage_of: dict[fx.Node, int], boundary: int, recompute: Derivation) -> list[fx.Node]:
+    """Values computed before stage ``boundary`` and used in it or later, recomputable ones excepted.
+
+    A use by a recomputable node does not count: such a node reads a value that is not recomputable
+    only for its device and dtype, which a recomputing stage takes from a stand-in.
+    """
     return [
         n for n in graph.nodes
-        if n.op not in ("get_attr", "output") and stage_of[n] < boundary
-        and any(stage_of[u] >= boundary for u in n.users)
+        if n.op not in ("get_attr", "output") and stage_of[n] < boundary and n not in recompute
+        and any(stage_of[u] >= boundary and u not in recompute for u in n.users)
     ]  # fmt: skip
 
 
-_METADATA = ("device", "dtype")  # reading these from a tensor does not depend on its values
-
-
-def _metadata_read(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is getattr and node.args[1] in _METADATA
-
-
-def _input_derived(flat: fx.GraphModule) -> set[fx.Node]:
-    """Nodes computable from the model's inputs alone (masks, position ids): no parameter, no layer.
-
-    A ``getattr(x, "device"/"dtype")`` counts as input-derived whatever ``x`` is; a stage that
-    recomputes it reads it from its received activation instead (same device, same dtype).
-    """
-    params = {id(p) for p in flat.parameters()}
-    derived: set[fx.Node] = set()
-    for node in flat.graph.nodes:
-        if node.op == "placeholder" or _metadata_read(node):
-            derived.add(node)
-        elif node.op == "get_attr":
-            if id(_lookup(flat, node.target)) not in params:
-                derived.add(node)
-        elif node.op in ("call_function", "call_method") and all(a in derived for a in node.all_input_nodes):
-            derived.add(node)
-    return derived
-
-
 def _stage_module(flat: fx.GraphModule, stage: int, stage_of: dict, inputs: list[fx.Node],
-                  outputs: list[fx.Node] | None, recompute: set[fx.Node] = frozenset()) -> fx.GraphModule:  # fmt: skip
+                  outputs: list[fx.Node] | None, recompute: Derivation) -> fx.GraphModule:  # fmt: skip
     """One stage's graph. Values in ``recompute`` that the stage needs but was not handed are
     recomputed from its inputs (which then include the model's inputs)."""
     graph, env = fx.Graph(), {}
@@ -153,17 +162,26 @@ def _stage_module(flat: fx.GraphModule, stage: int, stage_of: dict, inputs: list
                 raise SchedulingError(
                     f"stage {stage} needs {node.name}, which neither crosses the cut nor is recomputable"
                 )
-            if _metadata_read(node) and node.args[0] not in env and node.args[0] not in recompute:
-                env[node] = graph.call_function(getattr, (anchor, node.args[1]))
-            else:
-                env[node] = graph.node_copy(node, fetch)
+            env[node] = copy_node(node)
         return env[node]
+
+    def copy_node(node: fx.Node) -> fx.Node:
+        def argument(value: fx.Node) -> fx.Node:
+            if value in env or value in recompute or node not in recompute:
+                return fetch(value)
+            # A recomputed node reads only the device and dtype of this value (see pipeline_inputs).
+            if anchor is None:
+                raise SchedulingError(f"stage {stage} cannot recompute {node.name}: it received no activation")
+            described = recompute.stand_ins.get((node, value))
+            return anchor if described is None else stand_in(graph, anchor, described)
+
+        return graph.node_copy(node, argument)
 
     for node in flat.graph.nodes:
         if node in env or node.op == "output":
             continue
         if stage_of[node] == stage or (node.op == "get_attr" and any(stage_of[u] == stage for u in node.users)):
-            env[node] = graph.node_copy(node, fetch)
+            env[node] = copy_node(node)
     if outputs is None:
         final = next(n for n in flat.graph.nodes if n.op == "output")
         graph.output(fx.node.map_arg(final.args[0], fetch))
@@ -215,9 +233,14 @@ def partition(sch: Schedule, recompute_inputs: bool = False) -> PipelineStages:
     """Split the traced root of ``sch`` at its ``cut_pipeline_stage`` marks.
 
     With ``recompute_inputs``, values derived from the model's inputs alone (attention masks,
-    position ids) do not cross the cuts: every stage takes the model's inputs plus the activations
-    that do cross, and recomputes the rest. Megatron's pipeline schedules need that form: they
-    send one activation tensor between stages and hand every stage the micro-batch.
+    position ids, rotary cos/sin: see :mod:`megatron_slapo.pipeline_inputs`) do not cross the cuts:
+    every stage takes the model's inputs plus the activations that do cross, and recomputes the
+    rest. Megatron's pipeline schedules need that form: they send one activation tensor between
+    stages and hand every stage the micro-batch.
+
+    Hooks, syncs and forward wrappers on the root or on a level inlined on the way to a cut are
+    refused (:class:`SchedulingError`): the stages run those levels' graph nodes, so they would be
+    dropped silently.
     """
     cut_paths = [path for path, node in sch.named_schedules() if node.metadata.pipeline_cut]
     flat = _flat_root(sch, cut_paths)
@@ -225,18 +248,17 @@ def partition(sch: Schedule, recompute_inputs: bool = False) -> PipelineStages:
     cut_paths.sort(key=lambda p: order[next(n for n in flat.graph.nodes if n.op == "call_module" and n.target == p)])
     stage_of = _assign_stages(flat.graph, cut_paths)
     placeholders = [n for n in flat.graph.nodes if n.op == "placeholder"]
-    boundaries = [_live_across(flat.graph, stage_of, k + 1) for k in range(len(cut_paths))]
-    recompute = _input_derived(flat) if recompute_inputs else set()
-    boundaries = [[n for n in b if n not in recompute] for b in boundaries]
+    recompute = input_derived(flat) if recompute_inputs else Derivation()
+    boundaries = [_live_across(flat.graph, stage_of, k + 1, recompute) for k in range(len(cut_paths))]
     stages = []
     for k in range(len(cut_paths) + 1):
-        inputs = placeholders if k == 0 else (placeholders if recompute else []) + boundaries[k - 1]
+        inputs = placeholders if k == 0 else (placeholders if recompute_inputs else []) + boundaries[k - 1]
         outputs = boundaries[k] if k < len(cut_paths) else None
         stages.append(_stage_module(flat, k, stage_of, inputs, outputs, recompute))
     crossing = [[n.name for n in b] for b in boundaries]
     for hook in sch.mod._forward_pre_hooks.values():  # stage 0 takes the model's inputs: same guard
         if isinstance(hook, CallGuard):
             stages[0].register_forward_pre_hook(hook, with_kwargs=True)
-    pipeline = PipelineStages(stages, StagePlan(cut_paths, crossing, _tied(stages), bool(recompute)))
+    pipeline = PipelineStages(stages, StagePlan(cut_paths, crossing, _tied(stages), recompute_inputs))
     pipeline.train(sch.mod.training)
     return pipeline
