@@ -102,7 +102,8 @@ def test_deepspeed_config_is_completed_from_the_flags(tmp_path):
     assert _deepspeed_config(tmp_path, {}, "--zero-stage", "3")["zero_optimization"]["stage"] == 3
     assert _deepspeed_config(tmp_path, {})["zero_optimization"]["stage"] == 1
     fp16 = _deepspeed_config(tmp_path, {}, "--fp16", "--initial-loss-scale", "1024")["fp16"]
-    assert fp16 == {"enabled": True, "loss_scale": 0, "initial_scale_power": 10}
+    assert fp16 == {"enabled": True, "loss_scale": 0, "initial_scale_power": 10, "loss_scale_window": 1000,
+                    "hysteresis": 2, "min_loss_scale": 1.0}  # fmt: skip
     assert _deepspeed_config(tmp_path, {}, "--bf16")["bf16"] == {"enabled": True}
 
 
@@ -130,3 +131,103 @@ def test_an_hf_model_keeps_its_rows_when_they_cover_the_tokenizer_and_split_acro
     assert hf_vocab_size(151936, 151936, 128, 2) == 152064  # the tokenizer's own padding is larger
     assert hf_vocab_size(100, 500, 128, 2) == 512  # the tokenizer needs more rows than the model has
     assert hf_vocab_size(1001, 10, 128, 2) == 1024  # odd rows do not split over 2 ranks: Megatron's padding
+
+
+SAMPLE_BASED = [*DATA, *SIZES, "--micro-batch-size", "2", "--lr", "1e-3"]  # no --train-iters
+
+
+def samples_args(*extra, world=2):
+    args = parse_args("gpt", [*SAMPLE_BASED, *extra])
+    validate_args(args, world)
+    return args
+
+
+def test_train_samples_set_the_iterations_and_the_lr_schedule_runs_in_samples():
+    import torch
+
+    from megatron_slapo.training.optimizer import build_scheduler
+
+    args = samples_args("--train-samples", "43", "--lr-warmup-samples", "6", "--lr-decay-samples", "30",
+                        "--lr-decay-style", "linear")  # fmt: skip
+    assert args.global_batch_size == 4 and args.train_iters == 10  # 43 // 4, as Megatron: the rest is not trained
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    scheduler = build_scheduler(optimizer, args)
+    lrs = []
+    for _ in range(9):
+        scheduler.step(increment=args.global_batch_size)
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert abs(lrs[0] - 1e-3 * 4 / 6) < 1e-12  # 4 of 6 warmup samples
+    assert abs(lrs[1] - 1e-3 * (1 - (8 - 6) / (30 - 6))) < 1e-12  # linear decay over samples 6..30
+    assert lrs[7] == lrs[8] == 0.0  # decayed to --min-lr after 30 samples
+    defaults = samples_args("--train-samples", "40", "--lr-warmup-fraction", "0.25")
+    assert defaults.lr_decay_samples == 40 and build_scheduler(optimizer, defaults).lr_warmup_steps == 10
+
+
+def test_embedded_run_takes_train_samples_instead_of_its_default_iterations():
+    args = parse_args("gpt", ["--train-samples", "64"])
+    validate_args(args, 1)
+    assert args.train_iters == 64 // EMBEDDED_DEFAULTS["global_batch_size"]
+    assert "train_iters" not in args.embedded_defaults
+    args = parse_args("gpt", ["--train-samples", "64", "--lr-warmup-samples", "8"])
+    validate_args(args, 1)  # the embedded --lr-warmup-fraction gives way: no "not both" for a flag not given
+    assert args.lr_warmup_fraction is None and args.lr_warmup_samples == 8
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--train-samples", "40", "--train-iters", "10"], "--train-iters and --train-samples are mutually exclusive"),
+        (["--train-samples", "40", "--lr-decay-iters", "5"], "with --train-samples give --lr-decay-samples"),
+        (["--train-samples", "40", "--lr-warmup-iters", "2"], "with --train-samples give --lr-decay-samples"),
+        (["--train-iters", "10", "--lr-warmup-samples", "8"], "--lr-warmup-samples need --train-samples"),
+        (["--train-iters", "10", "--lr-decay-samples", "8"], "--lr-decay-samples / --lr-warmup-samples need"),
+        (["--train-samples", "40", "--lr-warmup-samples", "8", "--lr-warmup-fraction", "0.1"], "not both"),
+        (["--train-samples", "3"], r"--train-samples 3 is less than one global batch \(4 samples\)"),
+        (["--train-samples", "40", "--lr-warmup-samples", "40"], r"warmup \(40 samples\) must end before the decay"),
+        (["--train-samples", "0"], "--train-samples 0 must be >= 1"),
+        (["--train-iters", "10", "--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes 0 must be >= 1"),
+        (["--train-iters", "10", "--loss-scale-window", "0"], "--loss-scale-window 0 must be >= 1"),
+        (["--train-iters", "10", "--hysteresis", "0"], "--hysteresis 0 must be >= 1"),
+        (["--train-iters", "10", "--min-loss-scale", "0"], "--min-loss-scale 0 must be > 0"),
+        (["--train-iters", "10", "--fp16", "--initial-loss-scale", "64", "--min-loss-scale", "128"],
+         "--min-loss-scale 128 exceeds --initial-loss-scale 64"),
+        (["--train-iters", "10", "--exit-duration-in-mins", "0"], "--exit-duration-in-mins 0 must be > 0"),
+        (["--train-iters", "10", "--pipeline-model-parallel-size", "2", "--reset-attention-mask"],
+         "--reset-attention-mask cannot run with --pipeline-model-parallel-size > 1 yet"),
+    ],
+)  # fmt: skip
+def test_trainer_flag_contradictions_are_one_clear_error(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        samples_args(*extra)
+
+
+def test_loss_scale_flags_drive_the_dynamic_scaler():
+    from megatron_slapo.training.loss_scaler import loss_scaler_for
+
+    scaler = loss_scaler_for(args_for("--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "3",
+                                      "--hysteresis", "2", "--min-loss-scale", "256"))  # fmt: skip
+    scales = []
+    for overflow in [False] * 3 + [True] * 5:
+        scaler.update(overflow)
+        scales.append(scaler.scale)
+    # grows after 3 clean steps; the 1st overflow is tolerated (hysteresis 2), then halves down to the minimum
+    assert scales == [1024, 1024, 2048, 2048, 1024, 512, 256, 256]
+    assert loss_scaler_for(args_for("--fp16", "--loss-scale", "8", "--loss-scale-window", "1")).static
+
+
+def test_deepspeed_fp16_config_takes_the_loss_scale_flags(tmp_path):
+    fp16 = _deepspeed_config(tmp_path, {}, "--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "50",
+                             "--hysteresis", "3", "--min-loss-scale", "4")["fp16"]  # fmt: skip
+    assert (fp16["loss_scale_window"], fp16["hysteresis"], fp16["min_loss_scale"]) == (50, 3, 4.0)
+
+
+def test_the_arguments_are_printed_as_megatron_does(capsys):
+    from megatron_slapo.training.trainer_args import print_arguments
+
+    print_arguments(args_for("--seed", "7"))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "------------------------ arguments ------------------------"
+    assert lines[-1] == "-------------------- end of arguments ---------------------"
+    assert f"  seed {'.' * 44} 7" in lines and f"  micro_batch_size {'.' * 32} 2" in lines
+    body = lines[1:-1]
+    assert body == sorted(body, key=str.lower) and len(body) > 50

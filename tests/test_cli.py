@@ -22,6 +22,25 @@ def test_one_error_line_under_torchrun_before_anything_starts():
                      "opt_tp, llama_tp, bert_tp"], proc.stderr[-2000:]  # fmt: skip
 
 
+def test_the_error_line_survives_rank_0_failing_last(tmp_path):
+    """torchrun stops every worker when the first exits: rank 1 must not cut rank 0 off before it
+    prints. Rank 0 starts late here, so rank 1 meets the error first."""
+    late_rank_0 = tmp_path / "late_rank_0.py"
+    late_rank_0.write_text(
+        "import os, runpy, sys, time\n"
+        "if os.environ['RANK'] == '0':\n"
+        "    time.sleep(5)\n"
+        f"sys.argv[0] = {str(ROOT / 'pretrain_gpt.py')!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    proc = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(late_rank_0), "--schedule", "nope")  # fmt: skip
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "pretrain_gpt.py: error:" in line]
+    assert proc.returncode != 0
+    assert lines == ["pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_neo_tp, "
+                     "opt_tp, llama_tp, bert_tp"], proc.stderr[-2000:]  # fmt: skip
+
+
 def test_single_process_error_exit_code_and_no_traceback():
     proc = run(sys.executable, "pretrain_bert.py", "--global-batch-size", "3", "--micro-batch-size", "2")
     assert proc.returncode == 2

@@ -32,7 +32,7 @@ def read_shards(load_dir: str, iteration: int | None) -> tuple[int, list[dict]]:
         iteration = checkpointing.latest_iteration(load_dir)
         if iteration is None:
             raise CheckpointError(f"{load_dir} has no {checkpointing.LATEST}")
-    root = checkpointing.iteration_dir(load_dir, iteration)
+    root = checkpointing.committed_dir(load_dir, iteration)
     if not os.path.isdir(root):
         raise CheckpointError(f"{root} does not exist")
     by_tp: dict[int, list[str]] = {}

@@ -58,8 +58,9 @@ def check_splits(
 
     megatron-core builds every split with a nonzero weight and loops forever on one that holds no
     documents, even when no samples are wanted from it. Such a split (empty and unused, typically
-    the 1% test split of a small corpus) gets weight 0 in the returned split string; an empty split
-    that is needed is an error.
+    the 1% test split of a small corpus) gets weight 0 in the returned split string; so does an
+    empty test split (the trainer then skips the test evaluation, the only thing that reads it);
+    an empty train or valid split that is needed is an error.
     """
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
@@ -74,7 +75,7 @@ def check_splits(
             zip(("train", "valid", "test"), matrix, sizes.as_list(), strict=True)
         ):
             docs = 0 if bounds is None else round(bounds[1] * n_docs) - round(bounds[0] * n_docs)
-            if docs == 0 and wanted > 0:
+            if docs == 0 and wanted > 0 and name != "test":
                 raise DataError(
                     f"--split {split} leaves the {name} split of {prefix} ({n_docs} documents) empty, but "
                     f"{wanted} {name} samples are needed; change --split, or --eval-iters 0 for no evaluation"
@@ -87,7 +88,9 @@ def check_splits(
 def _vocabulary(args: Any, tokenizer: Any) -> tuple[int, str]:
     """The ids the model has rows for, and how to name where that number comes from."""
     size = getattr(args, "true_vocab_size", None) or tokenizer.vocab_size
-    what = f"model in --load-hf {args.load_hf}" if getattr(args, "load_hf", None) else f"tokenizer ({args.tokenizer_type})"
+    what = (
+        f"model in --load-hf {args.load_hf}" if getattr(args, "load_hf", None) else f"tokenizer ({args.tokenizer_type})"
+    )
     return size, what
 
 
@@ -112,10 +115,10 @@ def build_gpt_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
     split = check_splits(prefixes, args.split, sizes, *_vocabulary(args, tokenizer)) if prefixes else args.split
     config = GPTDatasetConfig(
         **_common_config(args, tokenizer, prefixes, weights, split),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False,  # the trainer builds masks from the tokens (training/tasks.py)
     )
     cls = MockGPTDataset if args.mock_data else GPTDataset
     return BlendedMegatronDatasetBuilder(cls, sizes.as_list(), lambda: True, config).build()

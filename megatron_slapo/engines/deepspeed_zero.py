@@ -130,6 +130,9 @@ def deepspeed_config(args: argparse.Namespace, dp_size: int) -> dict[str, Any]:
         fp16 = config["fp16"]
         fp16.setdefault("loss_scale", args.loss_scale or 0)  # 0: dynamic
         fp16.setdefault("initial_scale_power", int(math.log2(args.initial_loss_scale)))
+        fp16.setdefault("loss_scale_window", args.loss_scale_window)
+        fp16.setdefault("hysteresis", args.hysteresis)
+        fp16.setdefault("min_loss_scale", args.min_loss_scale)
     config.setdefault("steps_per_print", 2**31)  # the trainer prints its own log line
     return config
 

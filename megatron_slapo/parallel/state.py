@@ -54,6 +54,38 @@ def _destroy_model_parallel() -> None:
     gc.collect()  # a group sits in reference cycles: its threads end when it is collected
 
 
+_launcher_store: dist.Store | None = None
+
+
+def launcher_store(timeout: datetime.timedelta = datetime.timedelta(minutes=5)) -> dist.Store | None:
+    """torchrun's key-value store for this restart round (keys prefixed with the round), or ``None``
+    outside torchelastic. Reachable before the process group exists; connected once per process.
+
+    ``torchrun --max-restarts`` restarts the workers against the same agent store (one per job with
+    the static and the c10d rendezvous alike), and ``init_process_group`` would read the failed
+    round's keys there: gloo then connects to the dead ranks' addresses (connection refused) or
+    waits on stale start-up counters (a hang). A per-round prefix gives each round its own keys.
+    """
+    global _launcher_store
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        return None
+    if _launcher_store is None:
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        _launcher_store = dist.PrefixStore(f"megatron_slapo/restart_{restart}/", store)
+    _launcher_store.set_timeout(timeout)
+    return _launcher_store
+
+
+def _restart_safe_rendezvous(timeout: datetime.timedelta) -> dict:
+    """Under torchelastic, :func:`launcher_store` for ``init_process_group``, every wait bounded by
+    ``timeout``; empty outside torchelastic (torch's defaults apply)."""
+    store = launcher_store(timeout)
+    if store is None:
+        return {}
+    return dict(store=store, rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def initialize(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
@@ -83,7 +115,7 @@ def initialize(
         if "WORLD_SIZE" in os.environ:
             if cuda:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend, timeout=timeout)
+            dist.init_process_group(backend, timeout=timeout, **_restart_safe_rendezvous(timeout))
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()

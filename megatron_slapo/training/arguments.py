@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from megatron_slapo.errors import ConfigError
+from megatron_slapo.training.trainer_args import check_trainer_args, resolve_training_length
 
 GPT_MODEL_TYPES = ("gpt2", "gpt_neo", "opt", "llama")
 BERT_MODEL_TYPES = ("bert", "roberta", "albert")
@@ -76,6 +77,8 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--use-distributed-optimizer", action="store_true", help="--engine megatron: ZeRO-1 over DP")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="--engine megatron")
     g.add_argument("--sequence-parallel", action="store_true", help="not available yet: refused with a reason")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                   help="timeout of the process groups' collectives and of their start-up")  # fmt: skip
 
 
 def _training(p: argparse.ArgumentParser) -> None:
@@ -83,7 +86,11 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batch-size", type=int)
     g.add_argument("--global-batch-size", type=int, help="default: micro batch x data-parallel size")
     g.add_argument("--train-iters", type=int)
+    g.add_argument("--train-samples", type=int, help="train this many samples (instead of --train-iters)")
     g.add_argument("--exit-interval", type=int, help="stop (and save) when the iteration is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, help="stop (and save) after this many minutes")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, finish the step, save (with --save) and exit")  # fmt: skip
     g.add_argument("--lr", type=float)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument(
@@ -92,6 +99,8 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lr-decay-iters", type=int, help="default: --train-iters")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-warmup-fraction", type=float)
+    g.add_argument("--lr-decay-samples", type=int, help="with --train-samples (default: --train-samples)")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
@@ -101,6 +110,9 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     g.add_argument("--loss-scale", type=float, help="static fp16 loss scale (default: dynamic)")
+    g.add_argument("--loss-scale-window", type=int, default=1000, help="clean steps before the dynamic scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2, help="overflows tolerated before the dynamic scale backs off")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="the dynamic scale never backs off below this")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--recompute-granularity", choices=("full", "selective"), help="full: recompute whole layers")
     g.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
@@ -129,6 +141,10 @@ def _data(p: argparse.ArgumentParser, bert: bool) -> None:
         g.add_argument("--mask-prob", type=float, default=0.15)
         g.add_argument("--short-seq-prob", type=float, default=0.1)
         g.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_false")
+    else:
+        g.add_argument("--reset-position-ids", action="store_true", help="positions restart after each end-of-document")
+        g.add_argument("--reset-attention-mask", action="store_true", help="tokens attend only within their document")
+        g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
 
 
 def _checkpointing(p: argparse.ArgumentParser) -> None:
@@ -137,6 +153,7 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load")
     g.add_argument("--save-interval", type=int)
     g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load only the model weights; start at iteration 0")
@@ -244,6 +261,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--recompute-granularity selective is not available; use full")
     dp = world_size // (tp * pp)
     args.data_parallel_size = dp
+    resolve_training_length(args, dp)  # --train-samples sets --train-iters
     for name in ("micro_batch_size", "train_iters", "lr"):
         if getattr(args, name) is None:
             raise ConfigError(f"--{name.replace('_', '-')} is required")
@@ -298,3 +316,4 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--eval-interval must be >= 1 (or --eval-iters 0 for no evaluation)")
     if args.task == "bert":
         args.bert_binary_head = args.bert_binary_head and args.model_type != "roberta"  # RoBERTa has no SOP head
+    check_trainer_args(args)

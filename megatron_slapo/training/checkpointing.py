@@ -11,9 +11,15 @@ optimizer, LR scheduler and loss-scaler state (engines that partition the optimi
 data-parallel ranks, ZeRO and FSDP, write that into their own files in the iteration directory and
 keep a pointer here), the RNG states of every data-parallel rank, the iteration and the consumed
 samples (the data position), plus what export needs: each tensor's shard layout, the HF config and
-the vocabulary padding. An iteration is written into ``iter_XXXXXXX.tmp`` and renamed when every rank is done;
-``latest_checkpointed_iteration.txt`` is replaced only after that, so a run killed mid-save
-resumes from the previous checkpoint. Files are read with ``torch.load(weights_only=True)``.
+the vocabulary padding. Files are read with ``torch.load(weights_only=True)``.
+
+Crash safety: an iteration is written into ``iter_XXXXXXX.tmp``; once every rank is done, every
+file and directory in it is fsynced, and rank 0 commits it (:func:`commit`): ``iter_N`` (when N is
+saved again) is renamed ``iter_N.old``, ``iter_N.tmp`` renamed ``iter_N``, the directory fsynced,
+and only then ``latest_checkpointed_iteration.txt`` replaced (written, fsynced, renamed) and
+``iter_N.old`` removed. A run killed at any point leaves ``latest`` naming a complete checkpoint:
+the one before, or, killed between the two renames of a re-saved iteration, ``iter_N.old``, which
+readers take while ``iter_N`` is missing (:func:`committed_dir`) and the next save puts back.
 """
 
 from __future__ import annotations
@@ -76,6 +82,70 @@ def iteration_dir(base: str, iteration: int | str) -> str:
     return os.path.join(base, "release" if iteration == "release" else f"iter_{iteration:07d}")
 
 
+def committed_dir(base: str, iteration: int | str) -> str:
+    """The directory holding iteration ``iteration``: ``iter_N``, or ``iter_N.old`` when a run was
+    killed between the two renames of re-saving N (``iter_N`` is then missing, the old copy complete)."""
+    final = iteration_dir(base, iteration)
+    return final + ".old" if not os.path.isdir(final) and os.path.isdir(final + ".old") else final
+
+
+def _print_rank_0(text: str) -> None:
+    if dist.get_rank() == 0:
+        print(text, flush=True)
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    """fsync every file under ``root``, then every directory (deepest first), so that a crash after
+    the renames that follow cannot leave a committed checkpoint with missing or empty files."""
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            _fsync_path(os.path.join(directory, name))
+        _fsync_path(directory)
+
+
+def _write_file(path: str, write: Any) -> None:
+    """Write ``path`` through ``write(file)`` into ``path.partial``, fsync it, and rename it into place."""
+    with open(path + ".partial", "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".partial", path)
+
+
+def _restore_interrupted(save_dir: str, iteration: int) -> None:
+    """Undo a save of ``iteration`` killed between its two renames: put ``iter_N.old`` back."""
+    final = iteration_dir(save_dir, iteration)
+    if not os.path.isdir(final) and os.path.isdir(final + ".old"):
+        os.replace(final + ".old", final)
+        _fsync_path(save_dir)
+
+
+def commit(save_dir: str, iteration: int) -> None:
+    """Rank 0, once every rank has written its files into ``iter_N.tmp``: sync them, make the
+    directory iteration N and point ``latest_checkpointed_iteration.txt`` at it, in the order the
+    module docstring explains."""
+    final = iteration_dir(save_dir, iteration)
+    tmp, old = final + ".tmp", final + ".old"
+    _fsync_tree(tmp)  # the engines' own files too (ZeRO, FSDP, distributed optimizer)
+    _restore_interrupted(save_dir, iteration)
+    if os.path.isdir(final):  # re-saving an iteration: keep the old copy until the new one is in place
+        shutil.rmtree(old, ignore_errors=True)  # a leftover of a save killed after its last rename
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_path(save_dir)  # both renames are on disk before latest names the iteration
+    _write_file(os.path.join(save_dir, LATEST), lambda f: f.write(str(iteration).encode()))
+    _fsync_path(save_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def _rng_state() -> dict[str, Any]:
     name, keys, pos, has_gauss, gauss = numpy.random.get_state()
     return {
@@ -122,42 +192,37 @@ def export_metadata(tensors: dict[str, torch.Tensor], model_class: str, args: ar
 def save(
     engine: Engine, args: argparse.Namespace, layout: Layout, resume: Resume, metadata: dict
 ) -> str:  # fmt: skip
-    """Write iteration ``resume.iteration`` to ``args.save`` atomically; return its directory."""
+    """Write iteration ``resume.iteration`` to ``args.save`` crash-safely (see the module docstring);
+    return its directory. Collective: every rank calls it."""
     final = iteration_dir(args.save, resume.iteration)
     tmp = final + ".tmp"
+    _print_rank_0(f"saving checkpoint at iteration {resume.iteration:7d} to {args.save}")
     if dist.get_rank() == 0:
+        _restore_interrupted(args.save, resume.iteration)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    rng = [None] * dist.get_world_size(layout.dp_group)
-    dist.all_gather_object(rng, _rng_state(), group=layout.dp_group)
+    rng = None
+    if not getattr(args, "no_save_rng", False):
+        rng = [None] * dist.get_world_size(layout.dp_group)
+        dist.all_gather_object(rng, _rng_state(), group=layout.dp_group)
     state = engine.state_dict(tmp, include_optimizer=not args.no_save_optim)
     if layout.dp_rank == 0:
         state.update(
             checkpoint_version=VERSION, iteration=resume.iteration, args=json.dumps(vars(args), default=str),
-            engine=getattr(args, "engine", None),
-            rng_state=rng, consumed_train_samples=resume.consumed_train_samples,
+            engine=getattr(args, "engine", None), consumed_train_samples=resume.consumed_train_samples,
             consumed_valid_samples=resume.consumed_valid_samples, slapo=metadata,
         )  # fmt: skip
+        if rng is not None:
+            state["rng_state"] = rng
         path = os.path.join(tmp, layout.rank_dir(), FILENAME)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save(state, path + ".partial")
-        os.replace(path + ".partial", path)
+        _write_file(path, lambda f: torch.save(state, f))
     dist.barrier()
     if dist.get_rank() == 0:
-        old = final + ".old"
-        if os.path.isdir(final):  # re-saving an iteration: keep the old copy until the new one is in place
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        latest = os.path.join(args.save, LATEST)
-        with open(latest + ".tmp", "w") as f:
-            f.write(str(resume.iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(latest + ".tmp", latest)
-        shutil.rmtree(old, ignore_errors=True)
+        commit(args.save, resume.iteration)
     dist.barrier()
+    _print_rank_0(f"  successfully saved checkpoint at iteration {resume.iteration:7d} to {args.save}")
     return final
 
 
@@ -180,7 +245,7 @@ def checkpoint_file(load_dir: str, layout: Layout) -> str | None:
     iteration = latest_iteration(load_dir)
     if iteration is None:
         return None
-    root = iteration_dir(load_dir, iteration)
+    root = committed_dir(load_dir, iteration)
     path = os.path.join(root, layout.rank_dir(), FILENAME)
     whole = os.path.join(root, f"mp_rank_{layout.tp_rank:02d}", FILENAME)
     if not os.path.isfile(path) and layout.pp_size > 1 and os.path.isfile(whole):
@@ -249,6 +314,9 @@ def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str) ->
         if dist.get_rank() == 0:
             print(f" > WARNING: {path} was saved without pipeline parallelism: RNG states not restored", flush=True)
     elif not args.no_load_rng:
+        if "rng_state" not in state:
+            raise CheckpointError(f"{path} holds no RNG state (saved with --no-save-rng); pass --no-load-rng "
+                                  "(or --finetune) to resume without it")  # fmt: skip
         states = state["rng_state"]
         if layout.dp_rank >= len(states):
             raise CheckpointError(f"{path} holds RNG states for {len(states)} data-parallel ranks; pass --no-load-rng")

@@ -10,9 +10,9 @@ checkpoints. Every input problem it can detect is reported as one line before tr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,12 +27,13 @@ from megatron_slapo.data.samplers import data_loader
 from megatron_slapo.data.tokenizers import build_tokenizer
 from megatron_slapo.engines import ENGINES
 from megatron_slapo.engines.base import Engine
-from megatron_slapo.errors import CheckpointError, ConfigError, SchedulingError
+from megatron_slapo.errors import ConfigError
 from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.pipeline import PipelineStages
-from megatron_slapo.training import checkpointing
+from megatron_slapo.training import checkpointing, error_report
 from megatron_slapo.training.arguments import parse_args, validate_args
 from megatron_slapo.training.checkpointing import Layout, Resume
+from megatron_slapo.training.exit_conditions import ExitConditions
 from megatron_slapo.training.flops import device_peak_tflops, flops_per_token
 from megatron_slapo.training.model import (
     build_config,
@@ -44,6 +45,7 @@ from megatron_slapo.training.model import (
 )
 from megatron_slapo.training.reporting import Reporter, log_engine_memory
 from megatron_slapo.training.tasks import BERTTask, GPTTask
+from megatron_slapo.training.trainer_args import print_arguments
 from schedules import check_fits, describe, get_schedule
 
 
@@ -63,23 +65,12 @@ class Run:
     datasets: tuple
     reporter: Reporter
     metadata: dict
+    started: float = 0.0  # time.time() at the start of setup: --exit-duration-in-mins counts from here
 
 
 def print_rank_0(*values: Any) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*values, flush=True)
-
-
-@contextlib.contextmanager
-def user_errors(prog: str) -> Iterator[None]:
-    """Report input errors as one line (no traceback) and exit with status 2."""
-    try:
-        yield
-    except (ConfigError, SchedulingError, FileNotFoundError) as e:
-        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-        if rank == 0 or isinstance(e, CheckpointError):
-            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
 
 
 def _use_embedded_data(args: argparse.Namespace) -> None:
@@ -98,10 +89,10 @@ def _use_embedded_data(args: argparse.Namespace) -> None:
 
 
 def _split_sizes(args: argparse.Namespace) -> SplitSizes:
-    """Samples per split: every iteration, every evaluation (periodic + final); no test pass is run."""
+    """Samples per split: every iteration, every validation (periodic + final), the final test pass."""
     gbs = args.global_batch_size
     evaluations = args.train_iters // args.eval_interval + 1 if args.eval_iters else 0
-    return SplitSizes(args.train_iters * gbs, evaluations * args.eval_iters * gbs, 0)
+    return SplitSizes(args.train_iters * gbs, evaluations * args.eval_iters * gbs, args.eval_iters * gbs)
 
 
 def _apply_recompute(sch: ms.Schedule, args: argparse.Namespace, layers: list[str]) -> None:
@@ -119,10 +110,13 @@ def _apply_recompute(sch: ms.Schedule, args: argparse.Namespace, layers: list[st
 
 def setup(args: argparse.Namespace) -> Run:
     """Validate, initialise, build: everything before the first training step."""
+    started = time.time()
     world = int(os.environ.get("WORLD_SIZE", 1))
     validate_args(args, world)
     schedule = get_schedule(args.schedule)
-    parallel.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=args.seed)
+    print_arguments(args)
+    parallel.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=args.seed,
+                        timeout_minutes=args.distributed_timeout_minutes)  # fmt: skip
     layout = Layout.current()
     if args.embedded_data:
         _use_embedded_data(args)
@@ -141,13 +135,16 @@ def setup(args: argparse.Namespace) -> Run:
     )
     tp_group = parallel.tensor_parallel_group()
     if args.task == "gpt":
-        task: GPTTask | BERTTask = GPTTask(args.padded_vocab_size, tp_group)
+        task: GPTTask | BERTTask = GPTTask(args.padded_vocab_size, tp_group, args.reset_position_ids,
+                                           args.reset_attention_mask, getattr(tokenizer, "eod", None))  # fmt: skip
     else:
         task = BERTTask(args.padded_vocab_size, tp_group, args.bert_binary_head)
     datasets = task.build_datasets(args, tokenizer, _split_sizes(args))
     resume_path = checkpointing.checkpoint_file(args.load, layout) if args.load else None
 
     model = create_model(args, config)
+    if isinstance(task, GPTTask):
+        task.attention = model.config._attn_implementation  # the form of the 4D mask it takes
     tokens_per_iteration = args.global_batch_size * args.seq_length
     flops = flops_per_token(model, config.num_hidden_layers, config.hidden_size, args.seq_length, config.vocab_size)
     metadata_vocab, model_class = vocab_parameter_names(model), type(model).__name__
@@ -168,7 +165,9 @@ def setup(args: argparse.Namespace) -> Run:
             "use a tensor-parallel schedule (see --schedule list)"
         )
     if layout.tp_size == 1 and shards and world > 1:
-        ranks = f"{args.data_parallel_size} data-parallel" + (f" x {layout.pp_size} pipeline" if layout.pp_size > 1 else "")
+        ranks = f"{args.data_parallel_size} data-parallel" + (
+            f" x {layout.pp_size} pipeline" if layout.pp_size > 1 else ""
+        )
         print_rank_0(f" > note: --schedule {args.schedule} shards over --tensor-model-parallel-size 1, i.e. not at all; "
                      f"the {world} ranks are {ranks} ranks")  # fmt: skip
     local_stages = [k for k in range(stages) if k % layout.pp_size == layout.pp_rank]
@@ -194,7 +193,7 @@ def setup(args: argparse.Namespace) -> Run:
             f" > WARNING: no checkpoint in {args.load} yet ({checkpointing.LATEST} not found): starting from scratch"
         )
     reporter = Reporter(args, flops * tokens_per_iteration, tokens_per_iteration, device_peak_tflops(args.peak_tflops))
-    return Run(args, task, engine, layout, resume, datasets, reporter, metadata)
+    return Run(args, task, engine, layout, resume, datasets, reporter, metadata, started)
 
 
 def _batches(loader) -> Iterator:
@@ -222,7 +221,7 @@ def train(run: Run) -> Resume:
     )
     n_micro = get_num_microbatches()
     dp_rank, dp_size = layout.dp_rank, args.data_parallel_size
-    train_set, valid_set, _ = run.datasets  # no test pass: see _split_sizes
+    train_set, valid_set, test_set = run.datasets
     loader = data_loader(
         train_set, state.consumed_train_samples, args.micro_batch_size, dp_rank, dp_size, args.num_workers
     )
@@ -238,14 +237,32 @@ def train(run: Run) -> Resume:
     timers = Timers(log_level=0, log_option="minmax")
     comm = CommLog().install() if args.log_comm else None
     try:
-        return _loop(run, timers, comm, train_batches, valid_batches, n_micro)
+        with ExitConditions(args.exit_duration_in_mins, args.exit_signal_handler, run.started) as exits:
+            state = _loop(run, timers, comm, exits, train_batches, valid_batches, n_micro)
     finally:
         if comm:
             comm.uninstall()
+    if state.iteration >= args.train_iters and args.eval_iters:  # as Megatron, not after an early exit
+        _evaluate_at_end(run, valid_batches, test_set, n_micro)
+    return state
 
 
-def _loop(run: Run, timers: Any, comm: CommLog | None, train_batches: Iterator, valid_batches: Iterator | None,
-          n_micro: int) -> Resume:  # fmt: skip
+def _evaluate_at_end(run: Run, valid_batches: Iterator | None, test_set: Any, n_micro: int) -> None:
+    """Megatron's final passes: the validation split, then the test split (from its first sample)."""
+    args, state = run.args, run.resume
+    if valid_batches:
+        metrics = evaluate(run, valid_batches, args.eval_iters, n_micro)
+        run.reporter.validation(state.iteration, state.consumed_train_samples, metrics, at_end=True)
+    if test_set is None:
+        print_rank_0(f" > no test evaluation: --split {args.split} leaves the test split no documents")
+        return
+    test_loader = data_loader(test_set, 0, args.micro_batch_size, run.layout.dp_rank, args.data_parallel_size, 0)
+    metrics = evaluate(run, _batches(test_loader), args.eval_iters, n_micro)
+    run.reporter.validation(state.iteration, state.consumed_train_samples, metrics, at_end=True, split="test")
+
+
+def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, train_batches: Iterator,
+          valid_batches: Iterator | None, n_micro: int) -> Resume:  # fmt: skip
     args, layout, state = run.args, run.layout, run.resume
     saved_at = state.iteration if args.load else None
     nan_streak = 0
@@ -278,15 +295,14 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, train_batches: Iterator, 
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
             checkpointing.save(run.engine, args, layout, state, run.metadata)
             saved_at = state.iteration
-        if args.exit_interval and state.iteration % args.exit_interval == 0:
-            print_rank_0(f"exiting program at iteration {state.iteration} (--exit-interval)")
+        reason = exits.check()  # a collective when --exit-duration-in-mins / --exit-signal-handler is given
+        if not reason and args.exit_interval and state.iteration % args.exit_interval == 0:
+            reason = f"exiting program at iteration {state.iteration} (--exit-interval)"
+        if reason:
+            print_rank_0(reason)
             break
     if args.save and saved_at != state.iteration:
-        path = checkpointing.save(run.engine, args, layout, state, run.metadata)
-        print_rank_0(f"> saved checkpoint {path}")
-    if valid_batches and state.iteration >= args.train_iters:
-        metrics = evaluate(run, valid_batches, args.eval_iters, n_micro)
-        run.reporter.validation(state.iteration, state.consumed_train_samples, metrics, at_end=True)
+        checkpointing.save(run.engine, args, layout, state, run.metadata)
     return state
 
 
@@ -297,15 +313,14 @@ def pretrain(task: str, argv: list[str] | None = None) -> Resume | None:
     if args.schedule == "list":
         print(describe())
         return None
-    with user_errors(prog):
+    with error_report.user_errors(prog):
         run = setup(args)
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 
     try:
         return train(run)
     except TrainingStopped as e:
-        if dist.get_rank() == 0:
-            print(f"{prog}: error: {e}", file=sys.stderr, flush=True)
+        error_report.report(prog, str(e))
         sys.exit(1)
     finally:
         run.reporter.close()

@@ -52,8 +52,12 @@ class LossScaler:
 
 def loss_scaler_for(args: argparse.Namespace) -> LossScaler | None:
     """The scaler Megatron's flags ask for: ``--loss-scale`` fixes it, else dynamic from
-    ``--initial-loss-scale``; None without ``--fp16`` (bf16 and fp32 need none)."""
+    ``--initial-loss-scale``, doubling after ``--loss-scale-window`` clean steps, halving after
+    ``--hysteresis`` overflows, never below ``--min-loss-scale``; None without ``--fp16`` (bf16 and
+    fp32 need none)."""
     if not args.fp16:
         return None
-    static = args.loss_scale is not None
-    return LossScaler(args.loss_scale if static else args.initial_loss_scale, static=static)
+    if args.loss_scale is not None:
+        return LossScaler(args.loss_scale, static=True)
+    return LossScaler(args.initial_loss_scale, min_scale=args.min_loss_scale, growth_interval=args.loss_scale_window,
+                      hysteresis=args.hysteresis)  # fmt: skip

@@ -102,11 +102,15 @@ def _read_config(args: argparse.Namespace) -> transformers.PretrainedConfig:
     flag, source = ("--load-hf", args.load_hf) if args.load_hf else ("--hf-config", args.hf_config)
     if args.load_hf and not os.path.isfile(os.path.join(source, "config.json")):
         what = "has no config.json" if os.path.isdir(source) else "is not a directory"
-        raise ConfigError(f"{flag} {source} {what}: give a directory written by save_pretrained (or convert_checkpoint.py to-hf)")
+        raise ConfigError(
+            f"{flag} {source} {what}: give a directory written by save_pretrained (or convert_checkpoint.py to-hf)"
+        )
     try:
         config = transformers.AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as e:
-        where = "a directory nor a model name that can be fetched" if not os.path.isdir(source) else "a valid HF directory"
+        where = (
+            "a directory nor a model name that can be fetched" if not os.path.isdir(source) else "a valid HF directory"
+        )
         raise ConfigError(f"{flag} {source} is neither {where} ({type(e).__name__})") from e
     check_task_fits(config, args.task, f"{flag} {source}")
     args.model_type = config.model_type  # what the checkpoint holds, not the --model-type default

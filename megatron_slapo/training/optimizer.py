@@ -30,15 +30,17 @@ def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.A
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace):
-    """megatron-core's OptimizerParamScheduler, stepped in samples like Megatron-LM."""
+    """megatron-core's OptimizerParamScheduler, stepped in samples like Megatron-LM (lengths from
+    --lr-*-samples with --train-samples, else --lr-*-iters x global batch)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    gbs = args.global_batch_size
+    from megatron_slapo.training.trainer_args import lr_schedule_samples
+
+    warmup, decay, total = lr_schedule_samples(args)
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup, lr_decay_steps=decay,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
+        wd_incr_steps=total, wd_incr_style="constant",
     )  # fmt: skip
 
 

@@ -161,18 +161,21 @@ class Reporter:
             fields.append(f"comm (MB/step): {per_step}")
         self.print(" | ".join(fields) + " |")
 
-    def validation(self, iteration: int, consumed: int, metrics: dict[str, float], at_end: bool = False) -> None:
+    def validation(self, iteration: int, consumed: int, metrics: dict[str, float], at_end: bool = False,
+                   split: str = "val") -> None:  # fmt: skip
+        """Megatron's evaluation block; ``split`` "val" or "test" (whose TensorBoard tags say ``test``)."""
         parts = []
+        kind = "validation" if split == "val" else split
         for name, value in sorted(metrics.items()):
             ppl = math.exp(min(20.0, value))
             parts.append(f"{name} value: {value:.6E} | {name} PPL: {ppl:.6E}")
             if self.writer:
-                self.writer.add_scalar(f"{name} validation", value, iteration)
-                self.writer.add_scalar(f"{name} validation vs samples", value, consumed)
+                self.writer.add_scalar(f"{name} {kind}", value, iteration)
+                self.writer.add_scalar(f"{name} {kind} vs samples", value, consumed)
                 if self.args.log_validation_ppl_to_tensorboard:
-                    self.writer.add_scalar(f"{name} validation ppl", ppl, iteration)
-                    self.writer.add_scalar(f"{name} validation ppl vs samples", ppl, consumed)
-        where = "at the end of training" if at_end else f"at iteration {iteration}"
+                    self.writer.add_scalar(f"{name} {kind} ppl", ppl, iteration)
+                    self.writer.add_scalar(f"{name} {kind} ppl vs samples", ppl, consumed)
+        where = f"at the end of training for {split} data" if at_end else f"at iteration {iteration}"
         text = f" validation loss {where} | " + " | ".join(parts) + " |"
         self.print("-" * len(text) + "\n" + text + "\n" + "-" * len(text))
 

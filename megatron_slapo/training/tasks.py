@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_slapo.data.datasets import SplitSizes, build_bert_datasets, build_gpt_datasets
+from megatron_slapo.errors import ConfigError
 from megatron_slapo.parallel.collectives import Group
 from megatron_slapo.parallel.vocab import vocab_parallel_cross_entropy
 
@@ -24,6 +25,34 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, tp
     """Per-token cross-entropy (fp32); vocabulary-parallel when the logits hold a slice of ``vocab_size``."""
     group = tp_group if logits.size(-1) != vocab_size else None
     return vocab_parallel_cross_entropy(logits, labels, group)
+
+
+def document_attention(tokens: torch.Tensor, eod: int | None, implementation: str) -> torch.Tensor:
+    """The 4D ``[batch, 1, seq, seq]`` attention mask of a GPT batch, in the form the HF attention
+    ``implementation`` takes as given: boolean (True: attend) for ``sdpa``, additive for ``eager``.
+
+    With ``eod`` (``--reset-attention-mask``) each token attends only to the earlier tokens of its
+    own document, Megatron's mask: no token after an end-of-document token sees it or anything
+    before it. Built here from the tokens, on their device, rather than by megatron-core's dataset
+    (``create_attention_mask``), which would load an S x S tensor per sample. Without ``eod``, the
+    plain causal mask: passing it explicitly matters with ``--reset-position-ids`` alone, as HF
+    would otherwise infer packed documents from the restarting positions and mask across them,
+    which Megatron's flag does not do.
+    """
+    batch, seq = tokens.shape
+    allowed = torch.ones(seq, seq, dtype=torch.bool, device=tokens.device).tril()
+    if eod is not None:
+        ends = (tokens == eod).long()
+        document = ends.cumsum(1) - ends  # end-of-document tokens before each position
+        allowed = allowed & (document[:, :, None] == document[:, None, :])
+    allowed = allowed.expand(batch, seq, seq).unsqueeze(1)
+    if implementation == "sdpa":
+        return allowed
+    if implementation == "eager":
+        zero = torch.zeros((), dtype=torch.float32, device=allowed.device)
+        return torch.where(allowed, zero, torch.finfo(torch.float32).min)
+    raise ConfigError(f"--reset-attention-mask / --reset-position-ids need the model's attention to take a 4D mask "
+                      f"(sdpa or eager), not {implementation!r}")  # fmt: skip
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -41,19 +70,40 @@ class _ModelLoss:
 
 @dataclass
 class GPTTask(_ModelLoss):
-    """Causal language modelling on Megatron's GPTDataset (``tokens``, ``labels``, ``loss_mask``)."""
+    """Causal language modelling on Megatron's GPTDataset (``tokens``, ``labels``, ``loss_mask``,
+    ``position_ids``).
+
+    With ``--reset-position-ids`` / ``--reset-attention-mask`` the model gets the dataset's
+    position ids and a 4D attention mask (:func:`document_attention`, per document of end token
+    ``eod``); ``attention`` is the model's ``config._attn_implementation``, which decides the
+    mask's form. ``--eod-mask-loss`` acts through the dataset's ``loss_mask``.
+    """
 
     vocab_size: int
     tp_group: Group
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod: int | None = None
+    attention: str = "sdpa"
+
+    def __post_init__(self) -> None:
+        if (self.reset_position_ids or self.reset_attention_mask) and self.eod is None:
+            raise ConfigError("--reset-position-ids / --reset-attention-mask need a tokenizer with an end-of-document "
+                              "token")  # fmt: skip
 
     @staticmethod
     def build_datasets(args: argparse.Namespace, tokenizer: Any, sizes: SplitSizes) -> tuple:
         return build_gpt_datasets(args, tokenizer, sizes)
 
-    @staticmethod
-    def inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    def inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The model's keyword arguments for ``batch``."""
-        return {"input_ids": batch["tokens"], "use_cache": False}
+        inputs: dict[str, Any] = {"input_ids": batch["tokens"], "use_cache": False}
+        if self.reset_position_ids or self.reset_attention_mask:
+            # Positions always go with a 4D mask: OPT, say, would otherwise derive them from the mask.
+            inputs["position_ids"] = batch["position_ids"]
+            eod = self.eod if self.reset_attention_mask else None
+            inputs["attention_mask"] = document_attention(batch["tokens"], eod, self.attention)
+        return inputs
 
     def criterion(self, out: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss to differentiate, and the metrics to log, from the model's output."""

@@ -62,3 +62,9 @@ def shared_tmp(tmp_path_factory):
     path = [str(tmp_path_factory.mktemp("shared")) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(path, src=0)
     return path[0]
+
+
+@pytest.fixture(scope="session")
+def cache(shared_tmp):
+    """The data cache the in-process training runs share (the embedded corpus, prepared once)."""
+    return os.path.join(shared_tmp, "cache")

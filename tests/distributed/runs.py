@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -49,3 +50,17 @@ def single_process_losses(task: str, argv: list[str], tb: str) -> dict[int, floa
     box = [tb_scalars(tb, "lm loss") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def reference_losses(shared_tmp: str, run_of: Callable[[str], tuple[str, list[str]]]) -> Callable[[str], dict]:
+    """``get(key)``: :func:`single_process_losses` of the run ``run_of(key)`` (task, argv), computed
+    once per torchrun session, on first use."""
+    found: dict[str, dict[int, float]] = {}
+
+    def get(key: str) -> dict[int, float]:
+        if key not in found:
+            task, argv = run_of(key)
+            found[key] = single_process_losses(task, argv, os.path.join(shared_tmp, f"tb-reference-{key}"))
+        return found[key]
+
+    return get

@@ -16,7 +16,7 @@ import transformers
 
 from megatron_slapo.training import checkpointing
 from megatron_slapo.training.optimizer import local_part
-from tests.distributed.runs import PARITY, single_process_losses, train_losses
+from tests.distributed.runs import PARITY, reference_losses, single_process_losses, train_losses
 
 TOLERANCE = 1e-5
 SCHEDULES = {"gpt": ["--schedule", "gpt_tp"], "bert": ["--schedule", "bert_tp"]}
@@ -46,22 +46,9 @@ LAYOUTS = {  # name -> (world sizes, extra flags)
 
 
 @pytest.fixture(scope="module")
-def cache(shared_tmp):
-    return os.path.join(shared_tmp, "cache")
-
-
-@pytest.fixture(scope="module")
 def reference(shared_tmp, cache):
-    """Single-process losses per task, computed once per torchrun session, on first use."""
-    found: dict[str, dict[int, float]] = {}
-
-    def get(task: str) -> dict[int, float]:
-        if task not in found:
-            argv = [*MODEL, *SCHEDULES[task], "--data-cache-path", cache]
-            found[task] = single_process_losses(task, argv, os.path.join(shared_tmp, f"tb-reference-{task}"))
-        return found[task]
-
-    return get
+    """Single-process losses per task."""
+    return reference_losses(shared_tmp, lambda task: (task, [*MODEL, *SCHEDULES[task], "--data-cache-path", cache]))
 
 
 def _cases():

@@ -23,11 +23,6 @@ from tests.utils import max_diff, tb_scalars, tb_tags
 from tools import convert_checkpoint, preprocess_data, train_tokenizer
 
 
-@pytest.fixture(scope="module")
-def cache(shared_tmp):
-    return os.path.join(shared_tmp, "cache")
-
-
 def test_embedded_default_run_prints_the_log_line_and_writes_tensorboard(shared_tmp, cache, capsys):
     tb = os.path.join(shared_tmp, "tb-embedded")
     state = pretrain("gpt", [*TP2, "--train-iters", "6", "--log-interval", "3", "--eval-interval", "3",
