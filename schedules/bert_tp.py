@@ -9,6 +9,7 @@ from typing import Any
 
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
+    ParallelRegionInput,
     RowParallel,
     VocabParallelEmbedding,
     VocabParallelHead,
@@ -25,9 +26,10 @@ def plan(prefix: str) -> dict:
     layer = f"{prefix}.encoder.layer.*"
     return {
         f"{prefix}.embeddings.word_embeddings": VocabParallelEmbedding(),
-        f"{layer}.attention.self.query": ColumnParallel(),
-        f"{layer}.attention.self.key": ColumnParallel(),
-        f"{layer}.attention.self.value": ColumnParallel(),
+        f"{layer}.attention.self": ParallelRegionInput(),  # one input-gradient all-reduce for q, k, v
+        f"{layer}.attention.self.query": ColumnParallel(reduce_input_grad=False),
+        f"{layer}.attention.self.key": ColumnParallel(reduce_input_grad=False),
+        f"{layer}.attention.self.value": ColumnParallel(reduce_input_grad=False),
         f"{layer}.attention.output.dense": RowParallel(),
         f"{layer}.intermediate.dense": ColumnParallel(),
         f"{layer}.output.dense": RowParallel(),

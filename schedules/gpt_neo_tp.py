@@ -5,6 +5,7 @@ from typing import Any
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
     LocalHeads,
+    ParallelRegionInput,
     RowParallel,
     VocabParallelEmbedding,
     VocabParallelHead,
@@ -17,10 +18,11 @@ MODEL_TYPES = ("gpt_neo",)  # HF config.model_type values this schedule is writt
 ATTN = "transformer.h.*.attn.attention"
 PLAN = {
     "transformer.wte": VocabParallelEmbedding(),
-    ATTN: LocalHeads("num_heads", "embed_dim"),  # GPT-Neo splits heads with self.num_heads
-    f"{ATTN}.q_proj": ColumnParallel(),
-    f"{ATTN}.k_proj": ColumnParallel(),
-    f"{ATTN}.v_proj": ColumnParallel(),
+    # GPT-Neo splits heads with self.num_heads; one input-gradient all-reduce for q, k, v
+    ATTN: (LocalHeads("num_heads", "embed_dim"), ParallelRegionInput()),
+    f"{ATTN}.q_proj": ColumnParallel(reduce_input_grad=False),
+    f"{ATTN}.k_proj": ColumnParallel(reduce_input_grad=False),
+    f"{ATTN}.v_proj": ColumnParallel(reduce_input_grad=False),
     f"{ATTN}.out_proj": RowParallel(),
     "transformer.h.*.mlp.c_fc": ColumnParallel(),
     "transformer.h.*.mlp.c_proj": RowParallel(),

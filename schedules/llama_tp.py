@@ -4,6 +4,7 @@ from typing import Any
 
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
+    ParallelRegionInput,
     RowParallel,
     VocabParallelEmbedding,
     VocabParallelHead,
@@ -15,12 +16,14 @@ MODEL_TYPES = ("llama",)  # HF config.model_type values this schedule is written
 
 PLAN = {
     "model.embed_tokens": VocabParallelEmbedding(),
-    "model.layers.*.self_attn.q_proj": ColumnParallel(),
-    "model.layers.*.self_attn.k_proj": ColumnParallel(),  # key/value heads split too: TP must divide them
-    "model.layers.*.self_attn.v_proj": ColumnParallel(),
+    "model.layers.*.self_attn": ParallelRegionInput(),  # one input-gradient all-reduce for q, k, v
+    "model.layers.*.self_attn.q_proj": ColumnParallel(reduce_input_grad=False),
+    "model.layers.*.self_attn.k_proj": ColumnParallel(reduce_input_grad=False),  # kv heads split too: TP divides them
+    "model.layers.*.self_attn.v_proj": ColumnParallel(reduce_input_grad=False),
     "model.layers.*.self_attn.o_proj": RowParallel(),
-    "model.layers.*.mlp.gate_proj": ColumnParallel(),
-    "model.layers.*.mlp.up_proj": ColumnParallel(),
+    "model.layers.*.mlp": ParallelRegionInput(),  # and one for gate and up
+    "model.layers.*.mlp.gate_proj": ColumnParallel(reduce_input_grad=False),
+    "model.layers.*.mlp.up_proj": ColumnParallel(reduce_input_grad=False),
     "model.layers.*.mlp.down_proj": RowParallel(),
     "lm_head": VocabParallelHead(),
 }

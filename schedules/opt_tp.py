@@ -5,6 +5,7 @@ from typing import Any
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
     LocalHeads,
+    ParallelRegionInput,
     RowParallel,
     VocabParallelEmbedding,
     VocabParallelHead,
@@ -17,10 +18,11 @@ MODEL_TYPES = ("opt",)  # HF config.model_type values this schedule is written f
 LAYER = "model.decoder.layers.*"
 PLAN = {
     "model.decoder.embed_tokens": VocabParallelEmbedding(),
-    f"{LAYER}.self_attn": LocalHeads("num_heads", "embed_dim"),  # OPT reshapes with self.num_heads
-    f"{LAYER}.self_attn.q_proj": ColumnParallel(),
-    f"{LAYER}.self_attn.k_proj": ColumnParallel(),
-    f"{LAYER}.self_attn.v_proj": ColumnParallel(),
+    # OPT reshapes with self.num_heads; one input-gradient all-reduce for q, k, v
+    f"{LAYER}.self_attn": (LocalHeads("num_heads", "embed_dim"), ParallelRegionInput()),
+    f"{LAYER}.self_attn.q_proj": ColumnParallel(reduce_input_grad=False),
+    f"{LAYER}.self_attn.k_proj": ColumnParallel(reduce_input_grad=False),
+    f"{LAYER}.self_attn.v_proj": ColumnParallel(reduce_input_grad=False),
     f"{LAYER}.self_attn.out_proj": RowParallel(),
     f"{LAYER}.fc1": ColumnParallel(),
     f"{LAYER}.fc2": RowParallel(),

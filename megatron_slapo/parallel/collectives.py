@@ -120,6 +120,19 @@ class _ReduceForward(torch.autograd.Function):
         return grad, None
 
 
+class _ReduceForwardInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        if group_size(group) > 1 and not x.is_meta:
+            dist.all_reduce(x, group=group)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 class _ReduceBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -166,9 +179,15 @@ class _Scatter(torch.autograd.Function):
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 
-def reduce_forward(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """Sum partial results across ``group`` in the forward; pass gradients through (Megatron's g)."""
-    return _ReduceForward.apply(x, group)
+def reduce_forward(x: torch.Tensor, group: Group, inplace: bool = False) -> torch.Tensor:
+    """Sum partial results across ``group`` in the forward; pass gradients through (Megatron's g).
+
+    ``inplace`` reduces ``x`` itself instead of a copy, as Megatron does: only for a tensor that
+    nothing else refers to, such as the output a layer has just computed (a copy of b·s·h saved
+    per call). Gradients are never reduced in place: autograd may hand one gradient tensor to
+    several branches (both inputs of an add), and reducing it would change them all.
+    """
+    return (_ReduceForwardInPlace if inplace else _ReduceForward).apply(x, group)
 
 
 def reduce_backward(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -55,18 +55,37 @@ class ColumnParallel:
     """Split the output features; all-reduce the input gradient (Megatron's f).
 
     ``stride`` is the number of fused blocks in the output (3 for q|k|v). ``gather_output``
-    all-gathers the result for layers whose consumer needs every feature.
+    all-gathers the result for layers whose consumer needs every feature. ``reduce_input_grad=False``
+    leaves the input gradient to a :class:`ParallelRegionInput` on an enclosing module, which
+    reduces it once for every layer that reads the same input (q, k and v; gate and up).
     """
 
     stride: int = 1
     gather_output: bool = False
+    reduce_input_grad: bool = True
 
     def apply(self, sch: Schedule) -> None:
         sch.shard("weight", axis=_axes(sch)[0], stride=self.stride)
         _shard_bias(sch, self.stride)
-        sch.sync("bwd_post", "all_reduce")
+        if self.reduce_input_grad:
+            sch.sync("bwd_post", "all_reduce")
         if self.gather_output:
             sch.sync("fwd_post", "all_gather", axis=-1)
+
+
+@dataclass(frozen=True)
+class ParallelRegionInput:
+    """The entry of a tensor-parallel region: a module (an attention block, a gated MLP) whose
+    input is read only by column-parallel layers inside it. Its input gradient, the sum of those
+    layers' partial gradients, is all-reduced here once (Megatron's f on the block's input) instead
+    of once per layer; the layers take ``ColumnParallel(reduce_input_grad=False)``.
+    """
+
+    def apply(self, sch: Schedule) -> None:
+        if linear_axes(sch.mod) is not None:
+            raise sch._error("ParallelRegionInput is for a module that encloses column-parallel layers, "
+                             "not a layer: use ColumnParallel()")  # fmt: skip
+        sch.sync("bwd_post", "all_reduce")
 
 
 @dataclass(frozen=True)
@@ -148,20 +167,35 @@ def _pattern(pattern: str) -> re.Pattern:
     return re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")) + "$")
 
 
-def apply_plan(sch: Schedule, plan: Mapping[str, Placement]) -> list[str]:
-    """Apply each placement to every module whose path matches its pattern; return the paths.
+def apply_plan(sch: Schedule, plan: Mapping[str, Placement | tuple[Placement, ...]]) -> list[str]:
+    """Apply each placement (or tuple of placements) to every module whose path matches its
+    pattern; return the paths.
 
     Patterns are applied in the plan's order. A pattern that matches nothing is an error: a plan
-    written for another model family would otherwise silently do nothing.
+    written for another model family would otherwise silently do nothing. So is a column-parallel
+    layer that leaves its input gradient to a :class:`ParallelRegionInput` the plan does not give it.
     """
     paths = [p for p, _ in sch.named_schedules() if p]
     applied: list[str] = []
-    for pattern, placement in plan.items():
+    regions: list[str] = []
+    unreduced: list[str] = []
+    for pattern, placements in plan.items():
         regex = _pattern(pattern)
         matched = [p for p in paths if regex.match(p)]
         if not matched:
             raise SchedulingError(f"plan pattern {pattern!r} matches no submodule of {type(sch.mod).__name__}")
-        for path in matched:
-            placement.apply(sch[path])
+        for placement in placements if isinstance(placements, tuple) else (placements,):
+            for path in matched:
+                placement.apply(sch[path])
+            if isinstance(placement, ParallelRegionInput):
+                regions.extend(matched)
+            if isinstance(placement, ColumnParallel) and not placement.reduce_input_grad:
+                unreduced.extend(matched)
         applied.extend(matched)
+    for path in unreduced:
+        if not any(path.startswith(region + ".") for region in regions):
+            raise SchedulingError(
+                f"plan: {path} is ColumnParallel(reduce_input_grad=False) but no enclosing module is "
+                "ParallelRegionInput(); its input gradient would stay a partial sum"
+            )
     return applied

@@ -27,8 +27,7 @@ from megatron_slapo.primitives.placement import Role, infer_role, linear_axes, o
 from megatron_slapo.primitives.registry import primitive
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
+    from megatron_slapo.primitives.sync import SyncOp
     from megatron_slapo.schedule import Schedule
 
 # Megatron's parameter attributes: megatron-core's grad clipping and checkpointing read them.
@@ -39,7 +38,7 @@ class RowParallelForward:
     """Forward of a Linear/Conv1D sharded on its input features: reduce first, then add the bias."""
 
     def __init__(self) -> None:
-        self.reductions: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        self.reductions: list[SyncOp] = []  # applied to the product, which nothing else holds: in place
 
     def __deepcopy__(self, memo: dict) -> RowParallelForward:
         clone = RowParallelForward()
@@ -52,7 +51,7 @@ class RowParallelForward:
         else:  # HF Conv1D: weight is (in, out)
             y = torch.mm(x.reshape(-1, x.size(-1)), module.weight).view(*x.shape[:-1], -1)
         for reduce in self.reductions:
-            y = reduce(y)
+            y = reduce(y, fresh=True)
         return y + module.bias
 
 
@@ -61,12 +60,18 @@ class VocabParallelForward:
 
     def __init__(self, group: Group) -> None:
         self.group = group
+        self.reductions: list[SyncOp] = []  # sync("fwd_post", "all_reduce"), in place on the lookup
 
     def __deepcopy__(self, memo: dict) -> VocabParallelForward:
-        return self
+        clone = VocabParallelForward(self.group)
+        clone.reductions = list(self.reductions)
+        return clone
 
     def __call__(self, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_embedding(ids, module.weight, self.group, module.padding_idx)
+        out = vocab_parallel_embedding(ids, module.weight, self.group, module.padding_idx)
+        for reduce in self.reductions:
+            out = reduce(out, fresh=True)
+        return out
 
 
 def _sharded_copy(tensor: torch.Tensor, axis: int, stride: int, rank: int, world: int) -> torch.Tensor:

@@ -21,9 +21,9 @@ from torch import nn
 from megatron_slapo.graph_edit import why_never_called
 from megatron_slapo.parallel import collectives as C
 from megatron_slapo.primitives.forward import base_forward
-from megatron_slapo.primitives.placement import Role, check_sync
+from megatron_slapo.primitives.placement import Role, check_sync, own_forward
 from megatron_slapo.primitives.registry import primitive
-from megatron_slapo.primitives.shard import RowParallelForward
+from megatron_slapo.primitives.shard import RowParallelForward, VocabParallelForward
 
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
@@ -54,13 +54,14 @@ class SyncOp:
     def __deepcopy__(self, memo: dict) -> SyncOp:
         return self  # holds a process group handle, which is shared rather than copied
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+        """Apply to ``x``; ``fresh``: nothing else refers to ``x``, so an all-reduce may work in place."""
         try:
-            return self._run(x)
+            return self._run(x, fresh)
         except ValueError as e:  # e.g. a dim that the group size does not divide
             raise ValueError(f"[{self.path}] sync({self.mode!r}, {self.op!r}): {e}") from e
 
-    def _run(self, x: torch.Tensor) -> torch.Tensor:
+    def _run(self, x: torch.Tensor, fresh: bool) -> torch.Tensor:
         if self.mode == "bwd_post":
             if self.op == "all_reduce":
                 return C.reduce_backward(x, self.group)
@@ -68,7 +69,7 @@ class SyncOp:
         if callable(self.op):
             return self.op(x)
         if self.op == "all_reduce":
-            return C.reduce_forward(x, self.group)
+            return C.reduce_forward(x, self.group, inplace=fresh)
         if self.op == "all_gather":
             return C.all_gather(x, self.axis, self.group, self.backward)
         if self.op == "reduce_scatter":
@@ -105,14 +106,15 @@ class InputSync:
 
 
 class OutputSync:
-    """Forward hook applying a :class:`SyncOp` to the module's output (first element of a tuple)."""
+    """Forward hook applying a :class:`SyncOp` to the module's output (first element of a tuple);
+    ``fresh``: the output is a product the layer has just computed (an all-reduce may work in place)."""
 
-    def __init__(self, op: SyncOp) -> None:
-        self.op = op
+    def __init__(self, op: SyncOp, fresh: bool = False) -> None:
+        self.op, self.fresh = op, fresh
 
     def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
-            return self.op(output)
+            return self.op(output, self.fresh)
         if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
             return type(output)((self.op(output[0]), *output[1:]))
         raise RuntimeError(f"[{self.op.path}] sync(fwd_post) expects a tensor output, got {type(output).__name__}")
@@ -148,14 +150,18 @@ class SyncMixin:
         op = SyncOp(mode, sync_op_or_fn, self.group, axis, backward or "", self.path)
         self.metadata.syncs.add((mode, sync_op_or_fn))
         base = base_forward(self.mod)
-        if mode == "fwd_post" and isinstance(base, RowParallelForward) and op_name in ("all_reduce", "reduce_scatter"):
-            base.reductions.append(op)  # reduce before the bias add
+        if mode == "fwd_post" and isinstance(base, VocabParallelForward) and op_name == "all_reduce":
+            base.reductions.append(op)  # on the lookup's own output: in place
+        elif (
+            mode == "fwd_post" and isinstance(base, RowParallelForward) and op_name in ("all_reduce", "reduce_scatter")
+        ):
+            base.reductions.append(op)  # reduce before the bias add, in place
             if op_name == "reduce_scatter":
                 # The bias now meets only this rank's part of the sequence: its gradient is a
                 # partial sum, reduced like Megatron's sequence-parallel parameters.
                 self.annotate("bias", "sequence_parallel", True)
         elif mode == "fwd_post":
-            self.mod.register_forward_hook(OutputSync(op))
+            self.mod.register_forward_hook(OutputSync(op, fresh=self._output_is_fresh()))
         else:
             self.mod.register_forward_pre_hook(InputSync(op), with_kwargs=True)
 
@@ -183,6 +189,13 @@ class SyncMixin:
         if (mode, sync_op_or_fn) in self.metadata.syncs:
             raise self._error(f"sync({mode!r}, {op_name!r}) is already applied to this module")
         return op_name
+
+    def _output_is_fresh(self: Schedule) -> bool:
+        """Whether the module returns the product it computes, which nothing else holds: a
+        row-parallel nn.Linear / Conv1D without a bias, its forward neither overridden, patched nor hooked."""
+        mod = self.mod
+        return (self.metadata.role is Role.ROW and own_forward(mod) is None and "forward" not in mod.__dict__
+                and not mod._forward_hooks)  # fmt: skip
 
     def _default_gather_backward(self: Schedule, mode: str) -> str:
         role = self.metadata.role

@@ -2,13 +2,14 @@
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_slapo.parallel import collectives, tensor_parallel_group
 from megatron_slapo.parallel.comm_log import CommLog
 from tests.distributed.conftest import use_layout
-from tests.distributed.runs import TINY, TP2, last_rank_value, train_losses
+from tests.distributed.runs import TINY, last_rank_value, train_losses
 from tests.utils import tb_scalars, tb_tags
 
 
@@ -35,17 +36,28 @@ def test_each_collective_counts_once_and_point_to_point_still_works(rank):
     assert log.take() == {}
 
 
-def test_tp2_gpt2_bytes_per_step_equal_megatrons_count(shared_tmp):
-    """Per micro-batch, tensor parallelism all-reduces b·s·h activations twice per layer forward
-    (attention and MLP outputs) and twice backward (their inputs' gradients), once for the
-    vocabulary-parallel embedding's output and once for the LM head input's gradient; the
-    vocabulary-parallel cross-entropy all-reduces three b·s tensors (max, sum of exponentials, target
-    logit). The optimizer step adds one all-reduce of a scalar (the gradient norm)."""
+SCHEDULES = {  # schedule -> (task, flags)
+    "gpt_tp": ("gpt", []),
+    "gpt_neo_tp": ("gpt", ["--model-type", "gpt_neo"]),
+    "opt_tp": ("gpt", ["--model-type", "opt"]),
+    "llama_tp": ("gpt", ["--model-type", "llama", "--num-query-groups", "2"]),
+    "bert_tp": ("bert", []),
+}
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_tp2_bytes_per_step_equal_megatrons_count(schedule, shared_tmp, cache):
+    """Megatron's count, per micro-batch: tensor parallelism all-reduces b·s·h activations twice per
+    layer forward (attention and MLP outputs) and twice backward (the gradients of the attention
+    and MLP inputs: once per block, however many column-parallel projections read the input), once
+    for the vocabulary-parallel embedding's output and once for the LM head input's gradient; the
+    vocabulary-parallel cross-entropy all-reduces three b·s tensors (max, sum of exponentials,
+    target logit). The optimizer step adds one all-reduce of a scalar (the gradient norm)."""
+    task, flags = SCHEDULES[schedule]
     b, s, h, layers, micro = 4, 32, 64, 2, 2  # TINY: global batch 8 = 2 micro-batches of 4 on one DP rank
-    tb = os.path.join(shared_tmp, "tb-comm")
-    cache = os.path.join(shared_tmp, "cache")
-    train_losses("gpt", [*TINY, *TP2, "--train-iters", "3", "--eval-iters", "0", "--log-comm",
-                         "--data-cache-path", cache], tb)  # fmt: skip
+    tb = os.path.join(shared_tmp, f"tb-comm-{schedule}")
+    train_losses(task, [*TINY, *flags, "--schedule", schedule, "--tensor-model-parallel-size", "2",
+                        "--train-iters", "3", "--eval-iters", "0", "--log-comm", "--data-cache-path", cache], tb)  # fmt: skip
     tags = last_rank_value(lambda: sorted(t for t in tb_tags(tb) if "comm" in t))
     measured = last_rank_value(lambda: tb_scalars(tb, "comm-bytes/all_reduce[tp]"))
     norm = last_rank_value(lambda: tb_scalars(tb, "comm-bytes/all_reduce[mp]"))

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import megatron_slapo as ms
-from megatron_slapo.parallel.plans import LocalHeads, apply_plan
+from megatron_slapo.parallel.plans import ColumnParallel, LocalHeads, ParallelRegionInput, RowParallel, apply_plan
 
 
 def test_shard_size_not_divisible_names_the_path(group, world):
@@ -48,3 +48,38 @@ def test_verify_passes_the_complete_schedule(group):
         sch["2"].shard("weight", axis=1)
         sch["2"].sync("fwd_post", "all_reduce")
     assert set(verify.report.grads) == {f"grad of {n}" for n in ("0.weight", "0.bias", "2.weight", "2.bias")}
+
+
+class GatedMLP(nn.Module):
+    """Llama's MLP shape: two column-parallel layers read the same input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+REGION_PLAN = {
+    "gate": ColumnParallel(reduce_input_grad=False),
+    "up": ColumnParallel(reduce_input_grad=False),
+    "down": RowParallel(),
+}
+
+
+def test_one_input_gradient_reduction_per_region_matches_one_process(group):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), GatedMLP())  # the region's input gradient flows on to layer 0
+    sch = ms.create_schedule(model, group)
+    with ms.Verify(sch, [torch.randn(4, 8)]) as verify:
+        apply_plan(sch, {"1": ParallelRegionInput(), **{f"1.{k}": v for k, v in REGION_PLAN.items()}})
+    assert "grad of 0.weight" in verify.report.grads
+
+
+def test_a_column_layer_left_without_its_region_is_refused(group):
+    sch = ms.create_schedule(GatedMLP(), group)
+    with pytest.raises(ms.SchedulingError, match=r"gate is ColumnParallel\(reduce_input_grad=False\) but no enclosing"):
+        apply_plan(sch, REGION_PLAN)
+    with pytest.raises(ms.SchedulingError, match="not a layer"):
+        apply_plan(ms.create_schedule(GatedMLP(), group), {"gate": ParallelRegionInput()})

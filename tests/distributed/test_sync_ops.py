@@ -127,3 +127,36 @@ def test_fwd_post_on_tuple_output(group, rank, world):
     create_schedule(module, group).sync("fwd_post", "all_reduce")
     y, aux = module(xs(world)[rank])
     assert aux == "aux" and max_diff(y, W * sum(xs(world))) < 1e-6
+
+
+def test_layer_outputs_are_all_reduced_in_place_and_stay_exact(group, monkeypatch):
+    """A vocabulary-parallel lookup and a row-parallel product are reduced where they were computed
+    (no copy of b·s·h per collective); values and gradients stay those of the unsharded model."""
+    import torch.nn.functional as F
+
+    import megatron_slapo as ms
+    from megatron_slapo.primitives import shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False))
+    sch = create_schedule(model, group)
+    ids = torch.arange(12).reshape(2, 6)
+    with ms.Verify(sch, [ids]):
+        sch["0"].shard("weight", axis=0)
+        sch["0"].sync("fwd_post", "all_reduce")
+        sch["1"].shard("weight", axis=0)
+        sch["1"].sync("bwd_post", "all_reduce")
+        sch["2"].shard("weight", axis=1)
+        sch["2"].sync("fwd_post", "all_reduce")
+    computed: list[torch.Tensor] = []  # what the lookup and the product returned, before their reduction
+
+    def recording(fn):
+        return lambda *args, **kwargs: computed.append(fn(*args, **kwargs)) or computed[-1]
+
+    monkeypatch.setattr(shard, "vocab_parallel_embedding", recording(shard.vocab_parallel_embedding))
+    monkeypatch.setattr(F, "linear", recording(F.linear))
+    outputs = []
+    for i in (0, 2):
+        model[i].register_forward_hook(lambda m, args, out: outputs.append(out))
+    model(ids)
+    assert [out.data_ptr() for out in outputs] == [computed[0].data_ptr(), computed[2].data_ptr()]
