@@ -42,7 +42,7 @@ _MINIMUM = dict(
     adam_eps=0.0, initial_loss_scale=1.0, loss_scale=1.0, init_method_std=0.0,
 )  # fmt: skip
 _PROBABILITIES = ("attention_dropout", "hidden_dropout", "adam_beta1", "adam_beta2", "lr_warmup_fraction",
-                  "mask_prob", "short_seq_prob")  # fmt: skip
+                  "mask_prob", "short_seq_prob", "checkpoint_ratio")  # fmt: skip
 
 
 def _model(p: argparse.ArgumentParser, model_types: Sequence[str]) -> None:
@@ -115,8 +115,18 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--min-loss-scale", type=float, default=1.0, help="the dynamic scale never backs off below this")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--recompute-granularity", choices=("full", "selective"), help="full: recompute whole layers")
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default="uniform")
+    g.add_argument(
+        "--recompute-method",
+        choices=("uniform", "block"),
+        default="uniform",
+        help="per pipeline stage: uniform recomputes every layer, block the first --recompute-num-layers",
+    )
     g.add_argument("--recompute-num-layers", type=int, default=1)
+    g.add_argument(
+        "--checkpoint-ratio",
+        type=float,
+        help="recompute this fraction of each pipeline stage's layers, its first ones (Slapo's knob)",
+    )
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--max-consecutive-nan-iterations", type=int, default=5,
@@ -259,6 +269,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--sequence-parallel: no schedule in schedules/ applies sequence parallelism yet")
     if args.recompute_granularity == "selective":
         raise ConfigError("--recompute-granularity selective is not available; use full")
+    if args.checkpoint_ratio is not None and args.recompute_granularity:
+        raise ConfigError("--checkpoint-ratio and --recompute-granularity both choose the recomputed layers: give one")
+    if args.recompute_granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers != 1:
+        raise ConfigError("--recompute-method uniform recomputes each layer as its own unit here: use "
+                          "--recompute-num-layers 1 (or --recompute-method block to recompute only some layers)")  # fmt: skip
     dp = world_size // (tp * pp)
     args.data_parallel_size = dp
     resolve_training_length(args, dp)  # --train-samples sets --train-iters

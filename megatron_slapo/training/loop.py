@@ -30,7 +30,7 @@ from megatron_slapo.engines.base import Engine
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.pipeline import PipelineStages
-from megatron_slapo.training import checkpointing, error_report
+from megatron_slapo.training import checkpointing, error_report, recompute
 from megatron_slapo.training.arguments import parse_args, validate_args
 from megatron_slapo.training.checkpointing import Layout, Resume
 from megatron_slapo.training.exit_conditions import ExitConditions
@@ -95,19 +95,6 @@ def _split_sizes(args: argparse.Namespace) -> SplitSizes:
     return SplitSizes(args.train_iters * gbs, evaluations * args.eval_iters * gbs, args.eval_iters * gbs)
 
 
-def _apply_recompute(sch: ms.Schedule, args: argparse.Namespace, layers: list[str]) -> None:
-    if args.recompute_granularity != "full":
-        return
-    if args.recompute_method == "uniform":
-        if args.recompute_num_layers != 1:
-            raise ConfigError("--recompute-method uniform recomputes each layer: use --recompute-num-layers 1")
-        chosen = layers
-    else:
-        chosen = layers[: args.recompute_num_layers]
-    for path in chosen:
-        sch[path].checkpoint()
-
-
 def setup(args: argparse.Namespace) -> Run:
     """Validate, initialise, build: everything before the first training step."""
     started = time.time()
@@ -150,12 +137,17 @@ def setup(args: argparse.Namespace) -> Run:
     metadata_vocab, model_class = vocab_parameter_names(model), type(model).__name__
     sch = ms.create_schedule(model)
     stages = pipeline_stages(args, config.num_hidden_layers)
-    needs_layers = stages > 1 or args.recompute_granularity == "full"  # ALBERT, say, shares one layer: none
+    recomputing = args.recompute_granularity == "full" or args.checkpoint_ratio is not None
+    needs_layers = stages > 1 or recomputing  # ALBERT, say, shares one layer: none
     layers = transformer_layers(model, config.num_hidden_layers) if needs_layers else []
     if stages > 1:
         trace_for_pipeline(sch, task, args, layers)
     schedule.apply(sch, config, args)
-    _apply_recompute(sch, args, layers)
+    if recomputing:
+        chosen = recompute.recomputed_layers(args, layers, stages)
+        for path in chosen:
+            sch[path].checkpoint()
+        print_rank_0(recompute.describe(args, len(chosen), len(layers), stages))
     for k in range(1, stages):
         sch[layers[k * len(layers) // stages]].cut_pipeline_stage()
     shards = any(node.metadata.shards for _, node in sch.named_schedules())

@@ -24,6 +24,7 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 ZERO = ["--engine", "deepspeed", "--zero-stage"]
 MEGATRON = ["--engine", "megatron"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+FULL = ["--recompute-granularity", "full"]
 MODEL = [*PARITY, "--num-layers", "4"]  # 4 layers: 2 pipeline ranks x 2 virtual stages of one layer
 
 LAYOUTS = {  # name -> (world sizes, extra flags)
@@ -42,6 +43,10 @@ LAYOUTS = {  # name -> (world sizes, extra flags)
     "pp2-dp2": ((4,), [*MEGATRON, *PP2]),
     # Tied embeddings: the reduce-scatter leaves each rank its shard; the tie's all-reduce must add like shards.
     "pp2-dp2-distopt": ((4,), [*MEGATRON, *PP2, "--use-distributed-optimizer"]),
+    # Activation recomputation, Megatron's way (per stage) and Slapo's ratio: the same losses.
+    "tp2-recompute-full": ((2,), [*TP2, *FULL]),
+    "pp2-recompute-block": ((2,), [*MEGATRON, *PP2, *FULL, "--recompute-method", "block"]),  # layers 0 and 2
+    "tp2-pp2-checkpoint-ratio": ((4,), [*MEGATRON, *TP2, *PP2, "--checkpoint-ratio", "0.5"]),
 }
 
 

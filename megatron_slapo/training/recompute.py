@@ -1,0 +1,46 @@
+"""Which transformer layers activation recomputation covers.
+
+Megatron-LM's ``--recompute-granularity full`` counts per model chunk, that is per pipeline stage
+(virtual stages included), not from the model's first layer:
+
+- ``--recompute-method block``: the first ``--recompute-num-layers`` layers of every chunk are
+  recomputed, the rest keep their activations (stages early in the pipeline hold more micro-batches
+  in flight, so this is how a user trades memory for compute where it is short).
+- ``--recompute-method uniform``: every layer of every chunk. Megatron groups
+  ``--recompute-num-layers`` consecutive layers into one recomputed unit; here each layer is its own
+  unit (HF models call their layers from a Python loop, which cannot be cut into spans without
+  tracing it), so uniform takes ``--recompute-num-layers 1``.
+
+``--checkpoint-ratio R`` is Slapo's knob: the first ``round(R x n)`` layers of each chunk of ``n``.
+The trainer reports the number of layers this returns, which is the number it checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def recomputed_layers(args: argparse.Namespace, layers: list[str], chunks: int) -> list[str]:
+    """The paths of the layers to checkpoint, ``layers`` being cut into ``chunks`` equal stages."""
+    ratio = getattr(args, "checkpoint_ratio", None)
+    if args.recompute_granularity != "full" and ratio is None:
+        return []
+    per_chunk = len(layers) // chunks
+    if ratio is not None:
+        count = math.floor(ratio * per_chunk + 0.5)
+    elif args.recompute_method == "uniform":
+        count = per_chunk
+    else:
+        count = min(args.recompute_num_layers, per_chunk)
+    return [path for k in range(chunks) for path in layers[k * per_chunk : k * per_chunk + count]]
+
+
+def describe(args: argparse.Namespace, chosen: int, total: int, chunks: int) -> str:
+    """The start-up line saying what was applied."""
+    if getattr(args, "checkpoint_ratio", None) is not None:
+        how = f"--checkpoint-ratio {args.checkpoint_ratio:g}"
+    else:
+        how = f"--recompute-granularity full --recompute-method {args.recompute_method}"
+    where = f" (the first {chosen // chunks} of each of {chunks} stages)" if chunks > 1 and chosen < total else ""
+    return f"> activation recomputation: {chosen} of {total} transformer layers{where}, {how}"
