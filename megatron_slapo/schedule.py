@@ -21,6 +21,7 @@ from megatron_slapo.metadata import Metadata
 from megatron_slapo.parallel.collectives import group_rank, group_size
 from megatron_slapo.parallel.state import default_group
 from megatron_slapo.primitives.annotate import AnnotateMixin
+from megatron_slapo.primitives.attention_core import AttentionCoreMixin
 from megatron_slapo.primitives.checkpoint import CheckpointMixin
 from megatron_slapo.primitives.find import FindMixin
 from megatron_slapo.primitives.fuse import FuseMixin
@@ -40,6 +41,7 @@ class Schedule(
     CheckpointMixin,
     HookMixin,
     ForkRngMixin,
+    AttentionCoreMixin,
     AnnotateMixin,
     TraceMixin,
     FindMixin,

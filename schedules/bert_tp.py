@@ -9,6 +9,7 @@ from typing import Any
 
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
+    HeadParallelDropout,
     ParallelRegionInput,
     RowParallel,
     VocabParallelEmbedding,
@@ -26,7 +27,8 @@ def plan(prefix: str) -> dict:
     layer = f"{prefix}.encoder.layer.*"
     return {
         f"{prefix}.embeddings.word_embeddings": VocabParallelEmbedding(),
-        f"{layer}.attention.self": ParallelRegionInput(),  # one input-gradient all-reduce for q, k, v
+        # one input-gradient all-reduce for q, k, v; each rank's heads their own dropout masks
+        f"{layer}.attention.self": (ParallelRegionInput(), HeadParallelDropout()),
         f"{layer}.attention.self.query": ColumnParallel(reduce_input_grad=False),
         f"{layer}.attention.self.key": ColumnParallel(reduce_input_grad=False),
         f"{layer}.attention.self.value": ColumnParallel(reduce_input_grad=False),

@@ -4,6 +4,7 @@ from typing import Any
 
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
+    HeadParallelDropout,
     LocalHeads,
     ParallelRegionInput,
     RowParallel,
@@ -19,7 +20,7 @@ ATTN = "transformer.h.*.attn.attention"
 PLAN = {
     "transformer.wte": VocabParallelEmbedding(),
     # GPT-Neo splits heads with self.num_heads; one input-gradient all-reduce for q, k, v
-    ATTN: (LocalHeads("num_heads", "embed_dim"), ParallelRegionInput()),
+    ATTN: (LocalHeads("num_heads", "embed_dim"), ParallelRegionInput(), HeadParallelDropout()),
     f"{ATTN}.q_proj": ColumnParallel(reduce_input_grad=False),
     f"{ATTN}.k_proj": ColumnParallel(reduce_input_grad=False),
     f"{ATTN}.v_proj": ColumnParallel(reduce_input_grad=False),

@@ -4,6 +4,7 @@ from typing import Any
 
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
+    HeadParallelDropout,
     ParallelRegionInput,
     RowParallel,
     VocabParallelEmbedding,
@@ -16,7 +17,8 @@ MODEL_TYPES = ("llama",)  # HF config.model_type values this schedule is written
 
 PLAN = {
     "model.embed_tokens": VocabParallelEmbedding(),
-    "model.layers.*.self_attn": ParallelRegionInput(),  # one input-gradient all-reduce for q, k, v
+    # one input-gradient all-reduce for q, k, v; each rank's heads their own dropout masks
+    "model.layers.*.self_attn": (ParallelRegionInput(), HeadParallelDropout()),
     "model.layers.*.self_attn.q_proj": ColumnParallel(reduce_input_grad=False),
     "model.layers.*.self_attn.k_proj": ColumnParallel(reduce_input_grad=False),  # kv heads split too: TP divides them
     "model.layers.*.self_attn.v_proj": ColumnParallel(reduce_input_grad=False),

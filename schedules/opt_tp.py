@@ -4,6 +4,7 @@ from typing import Any
 
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
+    HeadParallelDropout,
     LocalHeads,
     ParallelRegionInput,
     RowParallel,
@@ -19,7 +20,7 @@ LAYER = "model.decoder.layers.*"
 PLAN = {
     "model.decoder.embed_tokens": VocabParallelEmbedding(),
     # OPT reshapes with self.num_heads; one input-gradient all-reduce for q, k, v
-    f"{LAYER}.self_attn": (LocalHeads("num_heads", "embed_dim"), ParallelRegionInput()),
+    f"{LAYER}.self_attn": (LocalHeads("num_heads", "embed_dim"), ParallelRegionInput(), HeadParallelDropout()),
     f"{LAYER}.self_attn.q_proj": ColumnParallel(reduce_input_grad=False),
     f"{LAYER}.self_attn.k_proj": ColumnParallel(reduce_input_grad=False),
     f"{LAYER}.self_attn.v_proj": ColumnParallel(reduce_input_grad=False),

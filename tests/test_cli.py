@@ -54,3 +54,18 @@ def test_library_example_trains():
                "examples/train_gpt_tp.py", "--steps", "5")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "tensor parallelism 2" in proc.stdout and "step    5 | lm loss" in proc.stdout
+
+
+def test_the_benchmark_runs_every_schedule_both_ways():
+    """tools/bench.py on a tiny model: one row per schedule; the shipped plans all-reduce less
+    than one reduction per projection does, except GPT-2's (fused q|k|v already), never more."""
+    proc = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tools/bench.py",
+               "--hidden-size", "32", "--num-layers", "2", "--num-attention-heads", "4", "--seq-length", "16",
+               "--vocab-size", "128", "--warmup", "0", "--steps", "1")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {cells[1].strip(): cells for line in proc.stdout.splitlines() if (cells := line.split("|"))[1:2]
+            and cells[1].strip().endswith("_tp")}  # fmt: skip
+    assert sorted(rows) == ["bert_tp", "gpt_neo_tp", "gpt_tp", "llama_tp", "opt_tp"], proc.stdout
+    reduced = {name: (int(c[5].replace(",", "")), int(c[6].replace(",", ""))) for name, c in rows.items()}
+    assert reduced["gpt_tp"][0] == reduced["gpt_tp"][1]
+    assert all(before > after for name, (before, after) in reduced.items() if name != "gpt_tp"), reduced

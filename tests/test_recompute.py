@@ -92,3 +92,16 @@ def test_full_recompute_keeps_at_most_one_layer_in_l_of_the_activations(capsys):
                                       "--recompute-num-layers", "2"], capsys)  # fmt: skip
     assert "> activation recomputation: 2 of 4 transformer layers" in out
     assert full < block < plain
+
+
+def test_selective_recompute_keeps_less_than_no_recompute_and_more_than_full(capsys):
+    unfused = ["--attention-backend", "unfused"]  # the probabilities (b x heads x s x s) are then kept
+    plain, outside, _ = _saved_in_layers(unfused, capsys)
+    full, _, _ = _saved_in_layers([*unfused, "--recompute-granularity", "full"], capsys)
+    selective, outside_selective, out = _saved_in_layers([*unfused, "--recompute-granularity", "selective"], capsys)
+    assert "> activation recomputation: the attention core of 4 of 4 transformer layers, selective" in out
+    assert full < selective < plain and outside_selective == outside
+    b, s, heads, layers, fp32 = 4, 64, 4, 4, 4
+    # The probabilities (b x heads x s x s per layer) are no longer kept; the core keeps its inputs:
+    # q, k and v (views of the projection's output, kept anyway) and the mask (one for all layers).
+    assert plain - selective == layers * b * heads * s * s * fp32 - b * s * s * fp32

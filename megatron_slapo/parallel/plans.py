@@ -163,6 +163,16 @@ class LocalHeads:
             setattr(sch.mod, attr, value // sch.world_size)
 
 
+@dataclass(frozen=True)
+class HeadParallelDropout:
+    """Attention-probability dropout on this rank's heads draws from the model-parallel RNG stream,
+    so that each head gets its own mask, as when one process runs them all (Megatron forks the
+    stream around its core attention). Applied to the HF attention module; see ``attention_core``."""
+
+    def apply(self, sch: Schedule) -> None:
+        sch.attention_core(fork_rng=True)
+
+
 def _pattern(pattern: str) -> re.Pattern:
     return re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")) + "$")
 

@@ -59,6 +59,9 @@ def _model(p: argparse.ArgumentParser, model_types: Sequence[str]) -> None:
     g.add_argument("--seq-length", type=int)
     g.add_argument("--max-position-embeddings", type=int, help="default: --seq-length")
     g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"), default="auto",
+                   help="flash/fused: torch SDPA (HF 'sdpa'); unfused/local: softmax(q kT) v in plain ops (HF "
+                        "'eager'); auto: the model's default")  # fmt: skip
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
@@ -114,7 +117,11 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hysteresis", type=int, default=2, help="overflows tolerated before the dynamic scale backs off")
     g.add_argument("--min-loss-scale", type=float, default=1.0, help="the dynamic scale never backs off below this")
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), help="full: recompute whole layers")
+    g.add_argument(
+        "--recompute-granularity",
+        choices=("full", "selective"),
+        help="full: recompute whole layers; selective: only their attention core",
+    )
     g.add_argument(
         "--recompute-method",
         choices=("uniform", "block"),
@@ -267,8 +274,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     if args.sequence_parallel:
         raise ConfigError("--sequence-parallel: no schedule in schedules/ applies sequence parallelism yet")
-    if args.recompute_granularity == "selective":
-        raise ConfigError("--recompute-granularity selective is not available; use full")
     if args.checkpoint_ratio is not None and args.recompute_granularity:
         raise ConfigError("--checkpoint-ratio and --recompute-granularity both choose the recomputed layers: give one")
     if args.recompute_granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers != 1:

@@ -137,17 +137,14 @@ def setup(args: argparse.Namespace) -> Run:
     metadata_vocab, model_class = vocab_parameter_names(model), type(model).__name__
     sch = ms.create_schedule(model)
     stages = pipeline_stages(args, config.num_hidden_layers)
-    recomputing = args.recompute_granularity == "full" or args.checkpoint_ratio is not None
+    recomputing = args.recompute_granularity is not None or args.checkpoint_ratio is not None
     needs_layers = stages > 1 or recomputing  # ALBERT, say, shares one layer: none
     layers = transformer_layers(model, config.num_hidden_layers) if needs_layers else []
     if stages > 1:
         trace_for_pipeline(sch, task, args, layers)
     schedule.apply(sch, config, args)
     if recomputing:
-        chosen = recompute.recomputed_layers(args, layers, stages)
-        for path in chosen:
-            sch[path].checkpoint()
-        print_rank_0(recompute.describe(args, len(chosen), len(layers), stages))
+        print_rank_0(recompute.apply(sch, args, layers, stages))
     for k in range(1, stages):
         sch[layers[k * len(layers) // stages]].cut_pipeline_stage()
     shards = any(node.metadata.shards for _, node in sch.named_schedules())

@@ -152,16 +152,23 @@ def auto_class(args: argparse.Namespace) -> type:
     return transformers.AutoModelForPreTraining if args.bert_binary_head else transformers.AutoModelForMaskedLM
 
 
+# Megatron's --attention-backend in transformers' terms: its fused kernels are what SDPA dispatches
+# to; "unfused"/"local" keep the probabilities as a tensor (what selective recompute saves most on).
+ATTENTION_BACKENDS = {"auto": None, "flash": "sdpa", "fused": "sdpa", "unfused": "eager", "local": "eager"}
+
+
 def create_model(args: argparse.Namespace, config: transformers.PretrainedConfig) -> nn.Module:
     """On the meta device, or with ``--load-hf`` the pretrained weights (vocabulary padded)."""
     auto = auto_class(args)
+    backend = ATTENTION_BACKENDS[getattr(args, "attention_backend", "auto")]
+    kwargs = {"attn_implementation": backend} if backend else {}
     if args.load_hf:
-        model = auto.from_pretrained(args.load_hf)
+        model = auto.from_pretrained(args.load_hf, **kwargs)
         if model.get_input_embeddings().num_embeddings != config.vocab_size:
             model.resize_token_embeddings(config.vocab_size, mean_resizing=False)
         return model
     with torch.device("meta"):
-        return auto.from_config(config)
+        return auto.from_config(config, **kwargs)
 
 
 def transformer_layers(model: nn.Module, num_layers: int) -> list[str]:

@@ -11,6 +11,10 @@ Megatron-LM's ``--recompute-granularity full`` counts per model chunk, that is p
   unit (HF models call their layers from a Python loop, which cannot be cut into spans without
   tracing it), so uniform takes ``--recompute-num-layers 1``.
 
+``--recompute-granularity selective`` recomputes only the attention core of every layer
+(``softmax(q kᵀ) v`` and its dropout: the activations that grow with the square of the sequence),
+as Megatron does.
+
 ``--checkpoint-ratio R`` is Slapo's knob: the first ``round(R x n)`` layers of each chunk of ``n``.
 The trainer reports the number of layers this returns, which is the number it checkpoints.
 """
@@ -19,6 +23,14 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from megatron_slapo.primitives.attention_core import core_kind
+
+if TYPE_CHECKING:
+    from megatron_slapo.schedule import Schedule
 
 
 def recomputed_layers(args: argparse.Namespace, layers: list[str], chunks: int) -> list[str]:
@@ -36,11 +48,33 @@ def recomputed_layers(args: argparse.Namespace, layers: list[str], chunks: int) 
     return [path for k in range(chunks) for path in layers[k * per_chunk : k * per_chunk + count]]
 
 
+def attention_cores(model: nn.Module, layers: list[str]) -> list[str]:
+    """The paths of the modules whose attention core ``--recompute-granularity selective`` recomputes."""
+    return [f"{path}.{name}" for path in layers for name, module in model.get_submodule(path).named_modules()
+            if name and core_kind(module)]  # fmt: skip
+
+
 def describe(args: argparse.Namespace, chosen: int, total: int, chunks: int) -> str:
     """The start-up line saying what was applied."""
+    if args.recompute_granularity == "selective":
+        return f"> activation recomputation: the attention core of {chosen} of {total} transformer layers, selective"
     if getattr(args, "checkpoint_ratio", None) is not None:
         how = f"--checkpoint-ratio {args.checkpoint_ratio:g}"
     else:
         how = f"--recompute-granularity full --recompute-method {args.recompute_method}"
     where = f" (the first {chosen // chunks} of each of {chunks} stages)" if chunks > 1 and chosen < total else ""
     return f"> activation recomputation: {chosen} of {total} transformer layers{where}, {how}"
+
+
+def apply(sch: Schedule, args: argparse.Namespace, layers: list[str], chunks: int) -> str:
+    """Checkpoint what the flags ask for; return the start-up line saying what was applied."""
+    if args.recompute_granularity == "selective":
+        cores = attention_cores(sch.mod, layers)
+        for path in cores:
+            sch[path].attention_core(checkpoint=True)
+        covered = [layer for layer in layers if any(path.startswith(layer + ".") for path in cores)]
+        return describe(args, len(covered), len(layers), chunks)
+    chosen = recomputed_layers(args, layers, chunks)
+    for path in chosen:
+        sch[path].checkpoint()
+    return describe(args, len(chosen), len(layers), chunks)

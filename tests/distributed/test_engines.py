@@ -45,6 +45,7 @@ LAYOUTS = {  # name -> (world sizes, extra flags)
     "pp2-dp2-distopt": ((4,), [*MEGATRON, *PP2, "--use-distributed-optimizer"]),
     # Activation recomputation, Megatron's way (per stage) and Slapo's ratio: the same losses.
     "tp2-recompute-full": ((2,), [*TP2, *FULL]),
+    "tp2-recompute-selective": ((2,), [*TP2, "--recompute-granularity", "selective"]),
     "pp2-recompute-block": ((2,), [*MEGATRON, *PP2, *FULL, "--recompute-method", "block"]),  # layers 0 and 2
     "tp2-pp2-checkpoint-ratio": ((4,), [*MEGATRON, *TP2, *PP2, "--checkpoint-ratio", "0.5"]),
 }
