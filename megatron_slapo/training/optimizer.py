@@ -8,6 +8,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from megatron_slapo.parallel.collectives import Group, group_rank, group_size
 
@@ -63,11 +64,11 @@ def global_norm(
     """
     first = group_rank(tp_group) == 0
     device = params[0].device if params else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for p in params:
-        t = p.grad if of_grads else p
-        if t is not None and (getattr(p, "tensor_model_parallel", False) or first):
-            total += local_part(t).detach().float().pow(2).sum()
+    tensors = [local_part(t).detach() for p in params if (t := p.grad if of_grads else p) is not None
+               and (getattr(p, "tensor_model_parallel", False) or first)]  # fmt: skip
+    tensors = [t if t.dtype == torch.float32 else t.float() for t in tensors]  # bf16/fp16 summed in fp32
+    # torch's foreach kernels: one launch per dtype and device, not one reduction per tensor
+    total = get_total_norm(tensors).pow(2) if tensors else torch.zeros((), device=device)
     for group in (partition_group, tp_group):
         if group_size(group) > 1:
             dist.all_reduce(total, group=group)
@@ -76,9 +77,6 @@ def global_norm(
 
 @torch.no_grad()
 def clip_grads(params: list[nn.Parameter], max_norm: float, norm: float) -> None:
-    """Scale gradients so that their global norm is at most ``max_norm``."""
+    """Scale gradients so that their global norm is at most ``max_norm`` (torch's foreach clip)."""
     if max_norm > 0 and norm > max_norm:
-        coeff = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coeff)
+        clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, torch.tensor(norm))
