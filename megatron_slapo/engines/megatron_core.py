@@ -42,7 +42,7 @@ from megatron_slapo.engines.base import (
 )
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.parallel import cpu_compat
-from megatron_slapo.parallel.collectives import Group, group_size
+from megatron_slapo.parallel.collectives import Group, comm_device, group_size
 from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.training.loss_scaler import loss_scaler_for
 from megatron_slapo.training.optimizer import build_scheduler
@@ -107,6 +107,7 @@ class MegatronEngine:
 
         self.args, self.dp_group, self.tp_group = args, dp_group, tp_group
         self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+        self._metric_names: dict[bool, list[str]] = {}  # the last stage's, told the others once (train, eval)
         refuse_sequence_parallel(model, "megatron")
         if isinstance(model, PipelineStages):
             _check_plan(model)
@@ -212,12 +213,10 @@ class MegatronEngine:
                 model=self.ddp if len(self.ddp) > 1 else self.ddp[0], num_microbatches=len(microbatches),
                 seq_length=seq_length, micro_batch_size=self.args.micro_batch_size, forward_only=forward_only,
             )  # fmt: skip
-        return self._metrics(stored, len(microbatches))
+        return self._metrics(stored, len(microbatches), forward_only)
 
-    def _metrics(self, stored: list[dict[str, torch.Tensor]], count: int) -> dict[str, float]:
+    def _metrics(self, stored: list[dict[str, torch.Tensor]], count: int, evaluating: bool) -> dict[str, float]:
         """Per-micro-batch means, averaged over DP on the last stage, then given to every stage."""
-        from megatron.core import parallel_state as ps
-
         metrics = None
         if self.pp_rank == self.pp_size - 1:
             totals: dict[str, torch.Tensor] = {}
@@ -226,11 +225,24 @@ class MegatronEngine:
                     totals[k] = totals.get(k, 0) + v
             metrics = average_metrics(totals, count, self.dp_group)
         if self.pp_size > 1:
-            box = [metrics]
-            last = ps.get_pipeline_model_parallel_last_rank()
-            dist.broadcast_object_list(box, src=last, group=ps.get_pipeline_model_parallel_group())
-            metrics = box[0]
+            metrics = self._from_last_stage(metrics, evaluating)
         return metrics
+
+    def _from_last_stage(self, metrics: dict[str, float] | None, evaluating: bool) -> dict[str, float]:
+        """The last stage's metrics on every stage: their names once (a pickled broadcast, the
+        first time), then one float64 tensor a step; float64 holds the fp32 means exactly."""
+        from megatron.core import parallel_state as ps
+
+        group, last = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank()
+        if evaluating not in self._metric_names:  # training and evaluation may log other metrics
+            box = [sorted(metrics) if metrics is not None else None]
+            dist.broadcast_object_list(box, src=last, group=group)
+            self._metric_names[evaluating] = box[0]
+        names = self._metric_names[evaluating]
+        values = [metrics[n] for n in names] if metrics is not None else [0.0] * len(names)
+        shared = torch.tensor(values, dtype=torch.float64, device=comm_device(group))
+        dist.broadcast(shared, src=last, group=group)
+        return dict(zip(names, shared.tolist(), strict=True))
 
     def _finalize_grads(self) -> None:
         from megatron.core import parallel_state as ps

@@ -66,3 +66,25 @@ def test_tp2_bytes_per_step_equal_megatrons_count(schedule, shared_tmp, cache):
     assert tags == ["comm-bytes/all_reduce[mp]", "comm-bytes/all_reduce[tp]"]  # nothing else under pure TP
     assert measured == {1: expected, 2: expected, 3: expected}, (measured, expected)
     assert norm == {1: fp32, 2: fp32, 3: fp32}, norm
+
+
+def test_pipeline_stages_share_the_metrics_without_pickling_every_step(shared_tmp, cache, monkeypatch):
+    """The last stage tells the others its metric names once (for training, once for evaluation);
+    each step's values then travel as one tensor, not a pickled object."""
+    from megatron.core import parallel_state as ps
+
+    pickled = []
+    broadcast_object_list = dist.broadcast_object_list
+
+    def counting(objects, src=None, group=None, **kwargs):
+        if group is not None and group is ps.get_pipeline_model_parallel_group():
+            pickled.append(list(objects))
+        return broadcast_object_list(objects, src=src, group=group, **kwargs)
+
+    monkeypatch.setattr(dist, "broadcast_object_list", counting)
+    tb = os.path.join(shared_tmp, "tb-pp-metrics")
+    losses = train_losses("gpt", [*TINY, "--engine", "megatron", "--pipeline-model-parallel-size", "2",
+                                  "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1", "--log-interval",
+                                  "1", "--data-cache-path", cache], tb)  # fmt: skip
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert len(pickled) == 2, pickled
