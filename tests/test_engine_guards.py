@@ -37,3 +37,19 @@ def test_sequence_parallel_weights_are_refused_by_engines_that_do_not_reduce_the
     model[1].weight.sequence_parallel = True
     with pytest.raises(ConfigError, match="--engine fsdp cannot reduce sequence-parallel gradients"):
         refuse_sequence_parallel(model, "fsdp")
+
+
+@pytest.mark.parametrize("engine", ["megatron", "ddp", "fsdp"])
+def test_what_bf16_means_on_the_engine_is_printed_at_start(engine, capsys):
+    from megatron_slapo import parallel
+    from megatron_slapo.engines import ENGINES
+    from megatron_slapo.training.loop import pretrain
+    from tests.test_bad_input import GPT, SIZES, TRAIN
+
+    try:
+        pretrain("gpt", [*GPT, *SIZES, *TRAIN, "--train-iters", "1", "--bf16", "--engine", engine])
+    finally:
+        parallel.destroy()
+    story = ENGINES[engine].MIXED_PRECISION.format(dtype="bf16")
+    assert f"> --bf16 on --engine {engine}: {story}\n" in capsys.readouterr().out
+    assert ("fp32 gradients, reduced in fp32" in story) == (engine != "fsdp")  # FSDP computes from bf16 copies

@@ -33,6 +33,9 @@ from megatron_slapo.training.optimizer import global_norm
 class DDPEngine:
     """Gradient accumulation, DDP, clipping, AdamW and the LR schedule for one built model."""
 
+    # What --bf16/--fp16 mean here (printed at start: the engines differ)
+    MIXED_PRECISION = "autocast over fp32 weights: matmuls in {dtype}, fp32 gradients, reduced in fp32"
+
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
         self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
         self.device = next(model.parameters()).device

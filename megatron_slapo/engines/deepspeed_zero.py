@@ -153,6 +153,10 @@ def _check_precision_supported(config: dict[str, Any]) -> None:
 class DeepSpeedEngine:
     """``deepspeed.initialize`` around the built model; one ``train_step`` is one optimizer step."""
 
+    # What --bf16/--fp16 mean here (printed at start: the engines differ)
+    MIXED_PRECISION = ("{dtype} weights with fp32 master copies in the optimizer; gradients reduced in {dtype} "
+                       "(unless --deepspeed-config sets communication_data_type)")  # fmt: skip
+
     @staticmethod
     def build_hook(args: argparse.Namespace, dp_group: Group, tp_group: Group) -> Callable | None:
         """Under ZeRO-3, ``zero.Init``'s partitioning applied per build unit: each unit (a transformer

@@ -49,6 +49,9 @@ def _tensor_parallel_names(model: nn.Module) -> set[str]:
 class FSDPEngine:
     """FSDP2 over the data-parallel group; AdamW and the LR schedule as with ``--engine ddp``."""
 
+    # What --bf16/--fp16 mean here (printed at start: the engines differ)
+    MIXED_PRECISION = "fp32 sharded weights, gathered in {dtype} for compute; gradients reduced in fp32"
+
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
         refuse_sequence_parallel(model, "fsdp")
         self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group

@@ -102,6 +102,9 @@ def _check_plan(model: PipelineStages) -> None:
 class MegatronEngine:
     """megatron-core's ``get_forward_backward_func`` over this rank's stages; its DDP and optimizer."""
 
+    # What --bf16/--fp16 mean here (printed at start: the engines differ)
+    MIXED_PRECISION = "autocast over fp32 weights: matmuls in {dtype}, fp32 gradients, reduced in fp32"
+
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
         from megatron.core import parallel_state as ps
 
