@@ -16,6 +16,7 @@ from megatron_slapo.parallel.plans import (
     VocabParallelHead,
     apply_plan,
 )
+from megatron_slapo.parallel.sequence import plan_for
 from megatron_slapo.schedule import Schedule
 
 MODEL_TYPES = ("bert", "roberta")  # HF config.model_type values this schedule is written for
@@ -41,4 +42,4 @@ def plan(prefix: str) -> dict:
 
 def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
     # The model type names the base model's attribute; a traced root (pipeline) lacks HF's own field.
-    apply_plan(sch, plan(getattr(config, "model_type", None) or sch.mod.base_model_prefix))
+    apply_plan(sch, plan_for(plan(getattr(config, "model_type", None) or sch.mod.base_model_prefix), args))

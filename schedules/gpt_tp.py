@@ -18,6 +18,7 @@ from megatron_slapo.parallel.plans import (
     VocabParallelHead,
     apply_plan,
 )
+from megatron_slapo.parallel.sequence import plan_for
 from megatron_slapo.schedule import Schedule
 
 MODEL_TYPES = ("gpt2",)  # HF config.model_type values this schedule is written for
@@ -34,4 +35,4 @@ PLAN = {
 
 
 def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
-    apply_plan(sch, PLAN)
+    apply_plan(sch, plan_for(PLAN, args))

@@ -11,6 +11,7 @@ from megatron_slapo.parallel.plans import (
     VocabParallelHead,
     apply_plan,
 )
+from megatron_slapo.parallel.sequence import plan_for
 from megatron_slapo.schedule import Schedule
 
 MODEL_TYPES = ("llama",)  # HF config.model_type values this schedule is written for
@@ -32,4 +33,4 @@ PLAN = {
 
 
 def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
-    apply_plan(sch, PLAN)
+    apply_plan(sch, plan_for(PLAN, args))

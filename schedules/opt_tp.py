@@ -12,6 +12,7 @@ from megatron_slapo.parallel.plans import (
     VocabParallelHead,
     apply_plan,
 )
+from megatron_slapo.parallel.sequence import plan_for
 from megatron_slapo.schedule import Schedule
 
 MODEL_TYPES = ("opt",)  # HF config.model_type values this schedule is written for
@@ -25,11 +26,12 @@ PLAN = {
     f"{LAYER}.self_attn.k_proj": ColumnParallel(reduce_input_grad=False),
     f"{LAYER}.self_attn.v_proj": ColumnParallel(reduce_input_grad=False),
     f"{LAYER}.self_attn.out_proj": RowParallel(),
-    f"{LAYER}.fc1": ColumnParallel(),
-    f"{LAYER}.fc2": RowParallel(),
+    # OPT's MLP runs on tokens flattened to rows: under sequence parallelism its rows are split
+    f"{LAYER}.fc1": ColumnParallel(sequence_dim=0),
+    f"{LAYER}.fc2": RowParallel(sequence_dim=0),
     "lm_head": VocabParallelHead(),
 }
 
 
 def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
-    apply_plan(sch, PLAN)
+    apply_plan(sch, plan_for(PLAN, args))

@@ -36,13 +36,12 @@ from megatron_slapo.engines.base import (
     Task,
     autocast,
     average_metrics,
-    refuse_sequence_parallel,
     tensor_bytes,
     to_device,
 )
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.parallel import cpu_compat
-from megatron_slapo.parallel.collectives import Group, comm_device, group_size
+from megatron_slapo.parallel.collectives import Group, all_reduce_flat, comm_device, group_size
 from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.training.loss_scaler import loss_scaler_for
 from megatron_slapo.training.optimizer import build_scheduler
@@ -111,7 +110,6 @@ class MegatronEngine:
         self.args, self.dp_group, self.tp_group = args, dp_group, tp_group
         self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
         self._metric_names: dict[bool, list[str]] = {}  # the last stage's, told the others once (train, eval)
-        refuse_sequence_parallel(model, "megatron")
         if isinstance(model, PipelineStages):
             _check_plan(model)
         stages = model.local(self.pp_rank, self.pp_size) if isinstance(model, PipelineStages) else [(0, model)]
@@ -252,6 +250,11 @@ class MegatronEngine:
 
         for model in self.ddp:
             model.finish_grad_sync()
+        # Sequence-parallel weights saw part of the sequence on each TP rank (megatron-core's
+        # finalize_model_grads does the same for its own models, from its TransformerConfig).
+        sequence_parallel = [p.main_grad for chunk in self.chunks for p in chunk.parameters()
+                             if getattr(p, "sequence_parallel", False)]  # fmt: skip
+        all_reduce_flat(sequence_parallel, self.tp_group)
         if self.tied and self.pp_size > 1:
             group = ps.get_embedding_group()
             for p in self.tied:

@@ -219,6 +219,18 @@ def gather_tensor(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 
 
 @torch.no_grad()
+def all_reduce_flat(tensors: list[torch.Tensor], group: Group) -> None:
+    """Sum each of ``tensors`` across ``group`` in place, in one all-reduce of their concatenation."""
+    if not tensors or group_size(group) == 1:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def allreduce_sequence_parallel_grads(module: torch.nn.Module, group: Group) -> None:
     """Sum the gradients of parameters tagged ``sequence_parallel`` across ``group``.
 
@@ -227,11 +239,4 @@ def allreduce_sequence_parallel_grads(module: torch.nn.Module, group: Group) -> 
     Megatron's, so megatron-core's ``finalize_model_grads`` treats these parameters the same way.
     """
     grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    if not grads or group_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    all_reduce_flat(grads, group)

@@ -63,11 +63,15 @@ class ColumnParallel:
     stride: int = 1
     gather_output: bool = False
     reduce_input_grad: bool = True
+    sequence_parallel: bool = False  # the input is split along the sequence: all-gather it (see sequence.py)
+    sequence_dim: int = 1  # where the sequence is in the input (0 for tokens flattened to rows, as OPT's MLP)
 
     def apply(self, sch: Schedule) -> None:
         sch.shard("weight", axis=_axes(sch)[0], stride=self.stride)
         _shard_bias(sch, self.stride)
-        if self.reduce_input_grad:
+        if self.reduce_input_grad and self.sequence_parallel:
+            sch.sync("fwd_pre", "all_gather", axis=self.sequence_dim)  # backward: reduce-scatter the partials
+        elif self.reduce_input_grad:
             sch.sync("bwd_post", "all_reduce")
         if self.gather_output:
             sch.sync("fwd_post", "all_gather", axis=-1)
@@ -78,23 +82,37 @@ class ParallelRegionInput:
     """The entry of a tensor-parallel region: a module (an attention block, a gated MLP) whose
     input is read only by column-parallel layers inside it. Its input gradient, the sum of those
     layers' partial gradients, is all-reduced here once (Megatron's f on the block's input) instead
-    of once per layer; the layers take ``ColumnParallel(reduce_input_grad=False)``.
+    of once per layer; the layers take ``ColumnParallel(reduce_input_grad=False)``. Under sequence
+    parallelism the input is split along the sequence: it is all-gathered here instead, and its
+    gradient reduce-scattered.
     """
+
+    sequence_parallel: bool = False
 
     def apply(self, sch: Schedule) -> None:
         if linear_axes(sch.mod) is not None:
             raise sch._error("ParallelRegionInput is for a module that encloses column-parallel layers, "
                              "not a layer: use ColumnParallel()")  # fmt: skip
-        sch.sync("bwd_post", "all_reduce")
+        if self.sequence_parallel:
+            sch.sync("fwd_pre", "all_gather", axis=1, backward="reduce_scatter")
+        else:
+            sch.sync("bwd_post", "all_reduce")
 
 
 @dataclass(frozen=True)
 class RowParallel:
-    """Split the input features; all-reduce the output (Megatron's g), then add the bias once."""
+    """Split the input features; all-reduce the output (Megatron's g), then add the bias once; under
+    sequence parallelism reduce-scatter it along the sequence instead."""
+
+    sequence_parallel: bool = False
+    sequence_dim: int = 1  # as in ColumnParallel
 
     def apply(self, sch: Schedule) -> None:
         sch.shard("weight", axis=_axes(sch)[1])
-        sch.sync("fwd_post", "all_reduce")
+        if self.sequence_parallel:
+            sch.sync("fwd_post", "reduce_scatter", axis=self.sequence_dim)
+        else:
+            sch.sync("fwd_post", "all_reduce")
 
 
 @dataclass(frozen=True)

@@ -79,7 +79,11 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, help="interleaved 1F1B (--engine megatron)")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="--engine megatron: ZeRO-1 over DP")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="--engine megatron")
-    g.add_argument("--sequence-parallel", action="store_true", help="not available yet: refused with a reason")
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="split the activations between tensor-parallel regions along the sequence",
+    )
     g.add_argument("--distributed-timeout-minutes", type=int, default=10,
                    help="timeout of the process groups' collectives and of their start-up")  # fmt: skip
 
@@ -273,7 +277,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.num_layers_per_virtual_pipeline_stage and pp == 1:
         raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     if args.sequence_parallel:
-        raise ConfigError("--sequence-parallel: no schedule in schedules/ applies sequence parallelism yet")
+        if tp == 1:
+            raise ConfigError("--sequence-parallel splits what tensor parallelism replicates: it needs "
+                              "--tensor-model-parallel-size > 1")  # fmt: skip
+        if pp > 1:
+            raise ConfigError("--sequence-parallel with --pipeline-model-parallel-size > 1 is not supported yet")
+        if args.engine in ("fsdp", "deepspeed"):
+            raise ConfigError(f"--engine {args.engine} cannot reduce sequence-parallel gradients; "
+                              "use --engine megatron or ddp")  # fmt: skip
     if args.checkpoint_ratio is not None and args.recompute_granularity:
         raise ConfigError("--checkpoint-ratio and --recompute-granularity both choose the recomputed layers: give one")
     if args.recompute_granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers != 1:

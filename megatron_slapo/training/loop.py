@@ -28,6 +28,7 @@ from megatron_slapo.data.tokenizers import build_tokenizer
 from megatron_slapo.engines import ENGINES
 from megatron_slapo.engines.base import Engine
 from megatron_slapo.errors import ConfigError
+from megatron_slapo.parallel import sequence
 from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.training import checkpointing, error_report, recompute
@@ -114,6 +115,9 @@ def setup(args: argparse.Namespace) -> Run:
     check_fits(args.schedule, config.model_type)
     if args.seq_length is None:
         args.seq_length = config.max_position_embeddings
+    if args.sequence_parallel and args.seq_length % args.tensor_model_parallel_size:
+        raise ConfigError(f"--sequence-parallel splits the sequence: --seq-length {args.seq_length} is not "
+                          f"divisible by --tensor-model-parallel-size {args.tensor_model_parallel_size}")  # fmt: skip
     for name in ("num_layers", "hidden_size", "num_attention_heads"):  # as Megatron's args carry them
         setattr(args, name, getattr(config, "num_hidden_layers" if name == "num_layers" else name))
     print_rank_0(
@@ -138,11 +142,13 @@ def setup(args: argparse.Namespace) -> Run:
     sch = ms.create_schedule(model)
     stages = pipeline_stages(args, config.num_hidden_layers)
     recomputing = args.recompute_granularity is not None or args.checkpoint_ratio is not None
-    needs_layers = stages > 1 or recomputing  # ALBERT, say, shares one layer: none
+    needs_layers = stages > 1 or recomputing or args.sequence_parallel  # ALBERT, say, shares one layer: none
     layers = transformer_layers(model, config.num_hidden_layers) if needs_layers else []
     if stages > 1:
         trace_for_pipeline(sch, task, args, layers)
     schedule.apply(sch, config, args)
+    if args.sequence_parallel:
+        sequence.split_layers(sch, layers)
     if recomputing:
         print_rank_0(recompute.apply(sch, args, layers, stages))
     for k in range(1, stages):

@@ -68,6 +68,29 @@ def test_tp2_bytes_per_step_equal_megatrons_count(schedule, shared_tmp, cache):
     assert norm == {1: fp32, 2: fp32, 3: fp32}, norm
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_tp2_sequence_parallel_bytes_per_step(schedule, shared_tmp, cache):
+    """With --sequence-parallel each layer enters its two regions by all-gathering the sequence and
+    leaves them by reduce-scattering (forward), and the converse backward: 4 all-gathers and 4
+    reduce-scatters of b·s·h per layer, Megatron's count, in place of its 4 all-reduces. The split
+    spans the layers: the first layer's input is scattered (all-gathered backward) and the last
+    layer's output gathered; the embedding and the head keep their all-reduce, the loss its three.
+    Once a step, the gradients of the weights that see part of the sequence (the layers' norms and
+    row-parallel biases) are all-reduced over the tensor-parallel ranks."""
+    task, flags = SCHEDULES[schedule]
+    b, s, h, layers, micro, fp32 = 4, 32, 64, 2, 2, 4
+    tb = os.path.join(shared_tmp, f"tb-comm-sp-{schedule}")
+    train_losses(task, [*TINY, *flags, "--schedule", schedule, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                        "--train-iters", "2", "--eval-iters", "0", "--log-comm", "--data-cache-path", cache], tb)  # fmt: skip
+    measured = {op: last_rank_value(lambda op=op: tb_scalars(tb, f"comm-bytes/{op}[tp]"))
+                for op in ("all_reduce", "all_gather_single", "reduce_scatter_single")}  # fmt: skip
+    activation = micro * b * s * h * fp32
+    split_weights = layers * h * (2 if schedule == "llama_tp" else 6)  # Llama: two RMSNorms, no biases
+    expected = {"all_reduce": 2 * activation + micro * 3 * b * s * fp32 + split_weights * fp32,
+                "all_gather_single": (4 * layers + 2) * activation, "reduce_scatter_single": 4 * layers * activation}  # fmt: skip
+    assert measured == {op: {1: v, 2: v} for op, v in expected.items()}, (measured, expected)
+
+
 def test_pipeline_stages_share_the_metrics_without_pickling_every_step(shared_tmp, cache, monkeypatch):
     """The last stage tells the others its metric names once (for training, once for evaluation);
     each step's values then travel as one tensor, not a pickled object."""

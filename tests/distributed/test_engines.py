@@ -44,6 +44,8 @@ LAYOUTS = {  # name -> (world sizes, extra flags)
     # Tied embeddings: the reduce-scatter leaves each rank its shard; the tie's all-reduce must add like shards.
     "pp2-dp2-distopt": ((4,), [*MEGATRON, *PP2, "--use-distributed-optimizer"]),
     # Activation recomputation, Megatron's way (per stage) and Slapo's ratio: the same losses.
+    "tp2-sp": ((2,), [*MEGATRON, *TP2, "--sequence-parallel"]),
+    "tp2-sp-ddp": ((2,), ["--engine", "ddp", *TP2, "--sequence-parallel"]),
     "tp2-recompute-full": ((2,), [*TP2, *FULL]),
     "tp2-recompute-selective": ((2,), [*TP2, "--recompute-granularity", "selective"]),
     "pp2-recompute-block": ((2,), [*MEGATRON, *PP2, *FULL, "--recompute-method", "block"]),  # layers 0 and 2

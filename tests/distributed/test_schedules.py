@@ -1,10 +1,15 @@
-"""Every tensor-parallel schedule in schedules/ reproduces its unscheduled model (Verify: outputs and grads)."""
+"""Every tensor-parallel schedule in schedules/ reproduces its unscheduled model (Verify: outputs and grads),
+with and without sequence parallelism."""
+
+import argparse
 
 import pytest
 import torch
 import transformers
 
 import megatron_slapo as ms
+from megatron_slapo.parallel.sequence import split_layers
+from megatron_slapo.training.model import transformer_layers
 from schedules import SCHEDULES
 from tests.utils import tiny_bert_config, tiny_gpt2_config, tiny_llama_config
 
@@ -25,16 +30,23 @@ CASES = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_schedule_matches_the_unscheduled_model(group, case):
+def test_schedule_matches_the_unscheduled_model(group, case, sequence_parallel):
     name = case.split("/")[0]
     with torch.device("meta"):
         model = CASES[case]().eval()
     ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     sch = ms.create_schedule(model, group)
     with ms.Verify(sch, [ids], seed=7) as verify:
-        SCHEDULES[name].apply(sch, model.config)
+        SCHEDULES[name].apply(sch, model.config, argparse.Namespace(sequence_parallel=sequence_parallel))
+        if sequence_parallel:
+            split_layers(sch, transformer_layers(model, model.config.num_hidden_layers))
     assert verify.report.grads and not verify.report.failures
+    sharded = [path for path, node in sch.named_schedules() if node.metadata.shards]
+    assert len(sharded) >= 4, sharded
+    split = [name for name, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
+    assert bool(split) == sequence_parallel and all(".layer" in name or ".h." in name for name in split), split
     sharded = [path for path, node in sch.named_schedules() if node.metadata.shards]
     assert len(sharded) >= 4, sharded
 
