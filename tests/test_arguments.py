@@ -48,11 +48,6 @@ def test_megatron_names_and_derived_values():
             2,
             "--engine fsdp cannot reduce sequence-parallel gradients",
         ),
-        (
-            ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
-            4,
-            "with --pipeline-model-parallel-size > 1 is not supported yet",
-        ),
         (["--eval-interval", "0"], 1, "--eval-interval must be >= 1"),
         (["--min-lr", "1"], 1, "--min-lr 1.0 must not exceed --lr 0.001"),
         (["--bf16", "--fp16"], 1, "mutually exclusive"),

@@ -147,6 +147,7 @@ class MegatronEngine:
             # pairs the interleaved schedule's messages crosswise (cpu-feasibility.md §1): send one by one.
             batch_p2p_comm=not (vpp and self.pp_size == 2), batch_p2p_sync=torch.cuda.is_available(),
             use_cpu_initialization=True, gradient_accumulation_fusion=False, deallocate_pipeline_outputs=False,
+            sequence_parallel=a.sequence_parallel,  # the p2p buffers then hold this rank's part of the sequence
         )  # fmt: skip
 
     def _mark_tied(self, model: nn.Module) -> None:

@@ -280,8 +280,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         if tp == 1:
             raise ConfigError("--sequence-parallel splits what tensor parallelism replicates: it needs "
                               "--tensor-model-parallel-size > 1")  # fmt: skip
-        if pp > 1:
-            raise ConfigError("--sequence-parallel with --pipeline-model-parallel-size > 1 is not supported yet")
         if args.engine in ("fsdp", "deepspeed"):
             raise ConfigError(f"--engine {args.engine} cannot reduce sequence-parallel gradients; "
                               "use --engine megatron or ddp")  # fmt: skip

@@ -46,6 +46,7 @@ LAYOUTS = {  # name -> (world sizes, extra flags)
     # Activation recomputation, Megatron's way (per stage) and Slapo's ratio: the same losses.
     "tp2-sp": ((2,), [*MEGATRON, *TP2, "--sequence-parallel"]),
     "tp2-sp-ddp": ((2,), ["--engine", "ddp", *TP2, "--sequence-parallel"]),
+    "tp2-pp2-sp": ((4,), [*MEGATRON, *TP2, *PP2, "--sequence-parallel"]),
     "tp2-recompute-full": ((2,), [*TP2, *FULL]),
     "tp2-recompute-selective": ((2,), [*TP2, "--recompute-granularity", "selective"]),
     "pp2-recompute-block": ((2,), [*MEGATRON, *PP2, *FULL, "--recompute-method", "block"]),  # layers 0 and 2

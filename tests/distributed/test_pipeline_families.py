@@ -27,8 +27,9 @@ PP2 = ["--engine", "megatron", "--pipeline-model-parallel-size", "2"]
 LAYOUTS = {  # name -> (world sizes, extra flags, families)
     "pp2": ((2,), PP2, ("gpt_neo", "opt", "llama")),
     "tp2-pp2": ((4,), [*PP2, "--tensor-model-parallel-size", "2"], ("llama",)),
-    # sequence parallelism (no pipeline yet); OPT's TP2 drift (see above) keeps it out
+    # sequence parallelism; OPT's TP2 drift (see above) keeps it out
     "tp2-sp": ((2,), ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ("gpt_neo", "llama")),
+    "tp2-pp2-sp": ((4,), [*PP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"], ("llama",)),
     # selective recompute reaches GPT-Neo's core through its _attn method, Llama's through HF's interface
     "pp2-selective": ((2,), [*PP2, "--recompute-granularity", "selective"], ("gpt_neo", "llama")),
 }
