@@ -84,7 +84,7 @@ def test_stages_keep_dropout_mode_and_layers_used_by_checkpointed_parts():
 
 
 def test_megatron_engine_refuses_plans_its_schedules_cannot_run():
-    from megatron_slapo.engines.megatron_core import _check_plan
+    from megatron_slapo.engines.stage_chunk import check_plan
     from megatron_slapo.errors import ConfigError
 
     def cut(*paths):
@@ -101,12 +101,12 @@ def test_megatron_engine_refuses_plans_its_schedules_cannot_run():
         stage.load_state_dict({k: state[k] for k in stage.state_dict()})
     pipeline.eval()
     assert torch.equal(pipeline(input_ids=IDS, use_cache=False).logits, model(IDS, use_cache=False).logits)
-    _check_plan(pipeline)  # one hidden state per cut; the embedding shared by the first and last stage
+    check_plan(pipeline)  # one hidden state per cut; the embedding shared by the first and last stage
     pipeline.plan.tied["transformer.h.0.ln_1.weight"] = [0, 1]
     with pytest.raises(ConfigError, match=r"used by pipeline stages \[0, 1\]; only the first and the last"):
-        _check_plan(pipeline)
+        check_plan(pipeline)
     with pytest.raises(ConfigError, match="cut_pipeline_stage at 'transformer.h.1.mlp': 2 values cross it"):
-        _check_plan(cut("transformer.h.1.mlp"))  # the residual and the normalised input both cross
+        check_plan(cut("transformer.h.1.mlp"))  # the residual and the normalised input both cross
 
 
 # -- values derived from the inputs alone (pipeline_inputs) -------------------------------------------------------

@@ -39,7 +39,8 @@ from megatron_slapo.engines.base import (
     tensor_bytes,
     to_device,
 )
-from megatron_slapo.errors import CheckpointError, ConfigError
+from megatron_slapo.engines.stage_chunk import StageChunk, check_plan
+from megatron_slapo.errors import CheckpointError
 from megatron_slapo.parallel import cpu_compat
 from megatron_slapo.parallel.collectives import Group, all_reduce_flat, comm_device, group_size
 from megatron_slapo.pipeline import PipelineStages
@@ -50,52 +51,6 @@ PARAMETER_STATE = "distrib_optim.pt"  # Megatron-LM's file for the distributed o
 # Not actionable here: a default of TransformerConfig, and the missing apex (see the README's notes).
 warnings.filterwarnings("ignore", "full scope is deprecated", UserWarning)
 warnings.filterwarnings("ignore", "Apex is not installed", UserWarning)
-
-
-class StageChunk(nn.Module):
-    """One pipeline stage (a "model chunk") as megatron-core's schedules drive it."""
-
-    def __init__(self, stage: nn.Module, first: bool, last: bool, config: Any) -> None:
-        from megatron.core.enums import ModelType
-
-        super().__init__()
-        self.stage, self.first, self.last, self.config = stage, first, last, config
-        self.model_type = ModelType.encoder_or_decoder  # a decoder-only or encoder-only stack
-        self.input_tensor: torch.Tensor | None = None
-        names = [n.name for n in stage.graph.nodes if n.op == "placeholder"] if not first else []
-        self.input_names, self.received = set(names[:-1]), names[-1] if names else None
-
-    def set_input_tensor(self, tensors: list[torch.Tensor | None] | torch.Tensor | None) -> None:
-        """Called by the schedule before each forward with what the previous stage sent."""
-        self.input_tensor = tensors[0] if isinstance(tensors, list) else tensors
-
-    def forward(self, **inputs: Any) -> Any:
-        if self.first:
-            out = self.stage(**inputs)
-        else:
-            kept = {k: v for k, v in inputs.items() if k in self.input_names}
-            out = self.stage(**kept, **{self.received: self.input_tensor.transpose(0, 1)})
-        if self.last:
-            return out
-        return out[0].transpose(0, 1).to(self.config.pipeline_dtype).contiguous()
-
-
-def _check_plan(model: PipelineStages) -> None:
-    """What megatron-core's schedules can run: one activation through each cut (the p2p buffers
-    are one ``[s, b, h]`` tensor), and weights shared only by the first and the last stage (the
-    embedding group joins only those ranks)."""
-    plan, last = model.plan, len(model.stages) - 1
-    for path, values in zip(plan.cut_paths, plan.crossing, strict=True):
-        if len(values) != 1:
-            raise ConfigError(
-                f"cut_pipeline_stage at {path!r}: {len(values)} values cross it ({', '.join(values)}); "
-                "megatron-core's pipeline sends one activation per cut: cut between transformer layers"
-            )
-    for name, used in sorted(plan.tied.items()):
-        if not set(used) <= {0, last}:
-            raise ConfigError(
-                f"{name} is used by pipeline stages {used}; only the first and the last may share weights"
-            )
 
 
 class MegatronEngine:
@@ -111,7 +66,7 @@ class MegatronEngine:
         self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
         self._metric_names: dict[bool, list[str]] = {}  # the last stage's, told the others once (train, eval)
         if isinstance(model, PipelineStages):
-            _check_plan(model)
+            check_plan(model)
         stages = model.local(self.pp_rank, self.pp_size) if isinstance(model, PipelineStages) else [(0, model)]
         total = len(model.stages) if isinstance(model, PipelineStages) else 1
         self.device = next(stages[0][1].parameters()).device
