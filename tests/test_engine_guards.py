@@ -50,6 +50,6 @@ def test_what_bf16_means_on_the_engine_is_printed_at_start(engine, capsys):
         pretrain("gpt", [*GPT, *SIZES, *TRAIN, "--train-iters", "1", "--bf16", "--engine", engine])
     finally:
         parallel.destroy()
-    story = ENGINES[engine].MIXED_PRECISION.format(dtype="bf16")
+    story = ENGINES[engine].MIXED_PRECISION["bf16"]
     assert f"> --bf16 on --engine {engine}: {story}\n" in capsys.readouterr().out
-    assert ("fp32 gradients, reduced in fp32" in story) == (engine != "fsdp")  # FSDP computes from bf16 copies
+    assert ("autocast over fp32 weights" in story) == (engine == "ddp")  # megatron: bf16 weights; FSDP: copies

@@ -64,7 +64,7 @@ class StepResult:
 
 class Engine(Protocol):
     model: nn.Module  # the built model, unwrapped
-    MIXED_PRECISION: str  # what --bf16/--fp16 mean on this engine ("{dtype}" is filled in)
+    MIXED_PRECISION: dict[str, str]  # what --bf16 / --fp16 ("bf16", "fp16") mean on this engine
 
     def train_step(self, microbatches: list[Batch], task: Task) -> StepResult: ...
 

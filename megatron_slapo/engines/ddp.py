@@ -34,7 +34,8 @@ class DDPEngine:
     """Gradient accumulation, DDP, clipping, AdamW and the LR schedule for one built model."""
 
     # What --bf16/--fp16 mean here (printed at start: the engines differ)
-    MIXED_PRECISION = "autocast over fp32 weights: matmuls in {dtype}, fp32 gradients, reduced in fp32"
+    MIXED_PRECISION = {d: f"autocast over fp32 weights: matmuls in {d}, fp32 gradients, reduced in fp32"
+                       for d in ("bf16", "fp16")}  # fmt: skip
 
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
         self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group

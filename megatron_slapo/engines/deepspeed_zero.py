@@ -154,8 +154,11 @@ class DeepSpeedEngine:
     """``deepspeed.initialize`` around the built model; one ``train_step`` is one optimizer step."""
 
     # What --bf16/--fp16 mean here (printed at start: the engines differ)
-    MIXED_PRECISION = ("{dtype} weights with fp32 master copies in the optimizer; gradients reduced in {dtype} "
-                       "(unless --deepspeed-config sets communication_data_type)")  # fmt: skip
+    MIXED_PRECISION = {
+        d: f"{d} weights with fp32 master copies in the optimizer; gradients reduced in {d} "
+        "(unless --deepspeed-config sets communication_data_type)"
+        for d in ("bf16", "fp16")
+    }
 
     @staticmethod
     def build_hook(args: argparse.Namespace, dp_group: Group, tp_group: Group) -> Callable | None:

@@ -50,7 +50,8 @@ class FSDPEngine:
     """FSDP2 over the data-parallel group; AdamW and the LR schedule as with ``--engine ddp``."""
 
     # What --bf16/--fp16 mean here (printed at start: the engines differ)
-    MIXED_PRECISION = "fp32 sharded weights, gathered in {dtype} for compute; gradients reduced in fp32"
+    MIXED_PRECISION = {d: f"fp32 sharded weights, gathered in {d} for compute; gradients reduced in fp32"
+                       for d in ("bf16", "fp16")}  # fmt: skip
 
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
         refuse_sequence_parallel(model, "fsdp")

@@ -15,11 +15,17 @@ weights used by the first and the last stage (tied embeddings) then get their gr
 over megatron-core's embedding group, so both copies stay equal. megatron-core's optimizer clips
 with the norm over all model-parallel ranks (each tied weight counted once) and, with
 ``--use-distributed-optimizer``, shards its state over the data-parallel ranks.
+
+Precision: ``--bf16`` is Megatron-LM's: the stages' weights are bf16, megatron-core's optimizer keeps
+fp32 main weights (and steps them), gradients accumulate and reduce in fp32 buffers, and pipeline
+messages travel in bf16. ``--fp16`` is autocast over fp32 weights with our loss scaler
+(megatron-core's scalers allocate on CUDA).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
 import os
@@ -57,7 +63,11 @@ class MegatronEngine:
     """megatron-core's ``get_forward_backward_func`` over this rank's stages; its DDP and optimizer."""
 
     # What --bf16/--fp16 mean here (printed at start: the engines differ)
-    MIXED_PRECISION = "autocast over fp32 weights: matmuls in {dtype}, fp32 gradients, reduced in fp32"
+    MIXED_PRECISION = {
+        "bf16": "bf16 weights with fp32 main copies in megatron-core's optimizer; gradients accumulated and "
+        "reduced in fp32; pipeline messages in bf16",
+        "fp16": "autocast over fp32 weights: matmuls in fp16, fp32 gradients, reduced in fp32",
+    }
 
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
         from megatron.core import parallel_state as ps
@@ -71,10 +81,15 @@ class MegatronEngine:
         total = len(model.stages) if isinstance(model, PipelineStages) else 1
         self.device = next(stages[0][1].parameters()).device
         self.scaler = loss_scaler_for(args)  # --fp16: the schedule scales the loss, the step unscales the grads
+        self.dtype = torch.bfloat16 if args.bf16 else torch.float32  # weights and pipeline messages
         with cpu_compat.device_mode():
             self.config = self._transformer_config(total)
             self.chunks = [StageChunk(stage, k == 0, k == total - 1, self.config) for k, stage in stages]
             self._mark_tied(model)
+            if args.bf16:  # Megatron's --bf16: bf16 weights, fp32 main copies in the optimizer
+                for chunk in self.chunks:
+                    for p in chunk.parameters():
+                        p.data = p.data.to(torch.bfloat16)
             self.ddp = [self._wrap(chunk) for chunk in self.chunks]
             self.optimizer = self._optimizer()
         self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
@@ -97,7 +112,7 @@ class MegatronEngine:
         return TransformerConfig(
             num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
             tensor_model_parallel_size=group_size(self.tp_group), pipeline_model_parallel_size=self.pp_size,
-            virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32, params_dtype=torch.float32,
+            virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=self.dtype, params_dtype=self.dtype, bf16=a.bf16,
             # With two pipeline ranks the previous and the next rank are the same peer; batched p2p then
             # pairs the interleaved schedule's messages crosswise (cpu-feasibility.md §1): send one by one.
             batch_p2p_comm=not (vpp and self.pp_size == 2), batch_p2p_sync=torch.cuda.is_available(),
@@ -140,15 +155,15 @@ class MegatronEngine:
         a = self.args
         config = OptimizerConfig(
             optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
-            adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad, bf16=False, fp16=False,
-            params_dtype=torch.float32, use_distributed_optimizer=a.use_distributed_optimizer,
+            adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad, bf16=a.bf16, fp16=False,
+            params_dtype=self.dtype, use_distributed_optimizer=a.use_distributed_optimizer,
         )  # fmt: skip
         return get_megatron_optimizer(config, self.ddp)
 
     # -- steps -------------------------------------------------------------------------------------
     def _forward_step(self, task: Task, data_iterator: Any, chunk: nn.Module) -> tuple[Any, Any]:
         batch = to_device(next(data_iterator), self.device)
-        with autocast(self.args, self.device):
+        with autocast(self.args, self.device) if not self.args.bf16 else contextlib.nullcontext():
             out = chunk(**task.inputs(batch))
         return out, functools.partial(self._loss, task, batch)
 
@@ -283,12 +298,14 @@ class MegatronEngine:
 
     # -- accounting and checkpoints ----------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
-        """This rank's stages; fp32 gradient buffers; AdamW's moments (a DP shard with the distributed optimizer)."""
-        params = tensor_bytes([p for chunk in self.chunks for p in chunk.parameters()])
-        optimizer = 2 * params
+        """This rank's stages; fp32 gradient buffers; AdamW's fp32 moments, and with --bf16 the fp32
+        main weights (a DP shard of them with the distributed optimizer)."""
+        weights = [p for chunk in self.chunks for p in chunk.parameters()]
+        count = sum(p.numel() for p in weights)
+        optimizer = count * 4 * (3 if self.args.bf16 else 2)
         if self.args.use_distributed_optimizer:
             optimizer //= group_size(self.dp_group)
-        return {"params": params, "grads": params, "optimizer": optimizer}
+        return {"params": tensor_bytes(weights), "grads": count * 4, "optimizer": optimizer}
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}

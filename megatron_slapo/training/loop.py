@@ -181,7 +181,7 @@ def setup(args: argparse.Namespace) -> Run:
     log_engine_memory(engine.memory_report(), (layout.tp_rank, layout.pp_rank, layout.dp_rank))
     if args.bf16 or args.fp16:
         dtype = "bf16" if args.bf16 else "fp16"
-        print_rank_0(f"> --{dtype} on --engine {args.engine}: {engine.MIXED_PRECISION.format(dtype=dtype)}")
+        print_rank_0(f"> --{dtype} on --engine {args.engine}: {engine.MIXED_PRECISION[dtype]}")
     resume = Resume()
     if resume_path:
         resume = checkpointing.load(engine, args, layout, resume_path)

@@ -44,6 +44,8 @@ def test_embedded_default_run_prints_the_log_line_and_writes_tensorboard(shared_
 
 RESUME_CASES = {
     "gpt-tp2-fp32": ("gpt", [*TP2]),
+    "gpt-tp2-bf16": ("gpt", [*TP2, "--bf16"]),  # bf16 weights, fp32 main weights in the optimizer
+    "gpt-pp2-distopt-bf16": ("gpt", ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer", "--bf16"]),
     "bert-dp2-fp16": ("bert", ["--initial-loss-scale", "4096", "--fp16"]),  # scaler state, per-DP-rank RNG
     "bert-ddp-fp16": ("bert", ["--engine", "ddp", "--initial-loss-scale", "4096", "--fp16"]),
     "gpt-pp2": ("gpt", ["--pipeline-model-parallel-size", "2"]),  # one file per pipeline stage
