@@ -91,6 +91,11 @@ class MegatronEngine:
                     for p in chunk.parameters():
                         p.data = p.data.to(torch.bfloat16)
             self.ddp = [self._wrap(chunk) for chunk in self.chunks]
+            # Weights that saw part of the sequence on each TP rank: their gradient buffers (views
+            # into DDP's, fixed from here on) are summed over TP after each backward, as
+            # megatron-core's finalize_model_grads does for its own models.
+            self.sequence_parallel_grads = [p.main_grad for chunk in self.chunks for p in chunk.parameters()
+                                            if getattr(p, "sequence_parallel", False)]  # fmt: skip
             self.optimizer = self._optimizer()
         self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
         self.scheduler = build_scheduler(self.optimizer, args)
@@ -221,11 +226,7 @@ class MegatronEngine:
 
         for model in self.ddp:
             model.finish_grad_sync()
-        # Sequence-parallel weights saw part of the sequence on each TP rank (megatron-core's
-        # finalize_model_grads does the same for its own models, from its TransformerConfig).
-        sequence_parallel = [p.main_grad for chunk in self.chunks for p in chunk.parameters()
-                             if getattr(p, "sequence_parallel", False)]  # fmt: skip
-        all_reduce_flat(sequence_parallel, self.tp_group)
+        all_reduce_flat(self.sequence_parallel_grads, self.tp_group)
         if self.tied and self.pp_size > 1:
             group = ps.get_embedding_group()
             for p in self.tied:

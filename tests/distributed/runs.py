@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+import pytest
 import torch.distributed as dist
 
 from megatron_slapo.training.loop import pretrain
@@ -64,3 +65,17 @@ def reference_losses(shared_tmp: str, run_of: Callable[[str], tuple[str, list[st
         return found[key]
 
     return get
+
+
+def layout_case(key: str, layout: str, world_sizes: tuple[int, ...], flags: list[str]) -> pytest.param:
+    """One parity case: ``key`` (task or family) trained with ``flags``, at ``world_sizes`` only."""
+    return pytest.param(key, flags, id=f"{key}-{layout}", marks=pytest.mark.world_sizes(*world_sizes))
+
+
+def assert_parity(losses: dict[int, float], expected: dict[int, float], tolerance: float) -> None:
+    """The same 10 iterations, each loss within ``tolerance``, and a reference that did learn
+    (parity between two flat lines would prove nothing)."""
+    assert sorted(losses) == sorted(expected) == list(range(1, 11))
+    worst = max(abs(losses[i] - expected[i]) for i in expected)
+    assert worst < tolerance, (worst, losses, expected)
+    assert expected[10] < expected[1] - 0.1
