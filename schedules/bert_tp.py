@@ -16,15 +16,16 @@ from megatron_slapo.parallel.plans import (
     VocabParallelHead,
     apply_plan,
 )
-from megatron_slapo.parallel.sequence import plan_for
+from megatron_slapo.parallel.sequence import GatherSequence, SplitAlongSequence, plan_for, present
 from megatron_slapo.schedule import Schedule
 
 MODEL_TYPES = ("bert", "roberta")  # HF config.model_type values this schedule is written for
 
 HEADS = {"bert": "cls.predictions.decoder", "roberta": "lm_head.decoder"}
+TRANSFORMS = {"bert": ("cls.predictions.transform",), "roberta": ("lm_head.dense", "lm_head.layer_norm")}
 
 
-def plan(prefix: str) -> dict:
+def plan(prefix: str, sch: Schedule) -> dict:
     layer = f"{prefix}.encoder.layer.*"
     return {
         f"{prefix}.embeddings.word_embeddings": VocabParallelEmbedding(),
@@ -36,10 +37,13 @@ def plan(prefix: str) -> dict:
         f"{layer}.attention.output.dense": RowParallel(),
         f"{layer}.intermediate.dense": ColumnParallel(),
         f"{layer}.output.dense": RowParallel(),
+        # under --sequence-parallel the MLM transform runs on this rank's part of the sequence; the pooler gathers it
+        **{path: SplitAlongSequence(gather_output=path == TRANSFORMS[prefix][-1]) for path in TRANSFORMS[prefix]},
+        **{path: GatherSequence() for path in present(sch, f"{prefix}.pooler")},
         HEADS[prefix]: VocabParallelHead(causal=False),
     }
 
 
 def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
     # The model type names the base model's attribute; a traced root (pipeline) lacks HF's own field.
-    apply_plan(sch, plan_for(plan(getattr(config, "model_type", None) or sch.mod.base_model_prefix), args))
+    apply_plan(sch, plan_for(plan(getattr(config, "model_type", None) or sch.mod.base_model_prefix, sch), args))

@@ -12,7 +12,7 @@ from megatron_slapo.parallel.plans import (
     VocabParallelHead,
     apply_plan,
 )
-from megatron_slapo.parallel.sequence import plan_for
+from megatron_slapo.parallel.sequence import SplitAlongSequence, plan_for
 from megatron_slapo.schedule import Schedule
 
 MODEL_TYPES = ("gpt_neo",)  # HF config.model_type values this schedule is written for
@@ -28,6 +28,7 @@ PLAN = {
     f"{ATTN}.out_proj": RowParallel(),
     "transformer.h.*.mlp.c_fc": ColumnParallel(),
     "transformer.h.*.mlp.c_proj": RowParallel(),
+    "transformer.ln_f": SplitAlongSequence(gather_output=True),  # under --sequence-parallel: split, then gathered
     "lm_head": VocabParallelHead(),
 }
 

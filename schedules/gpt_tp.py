@@ -18,7 +18,7 @@ from megatron_slapo.parallel.plans import (
     VocabParallelHead,
     apply_plan,
 )
-from megatron_slapo.parallel.sequence import plan_for
+from megatron_slapo.parallel.sequence import SplitAlongSequence, plan_for
 from megatron_slapo.schedule import Schedule
 
 MODEL_TYPES = ("gpt2",)  # HF config.model_type values this schedule is written for
@@ -30,6 +30,7 @@ PLAN = {
     "transformer.h.*.attn.c_proj": RowParallel(),
     "transformer.h.*.mlp.c_fc": ColumnParallel(),
     "transformer.h.*.mlp.c_proj": RowParallel(),
+    "transformer.ln_f": SplitAlongSequence(gather_output=True),  # under --sequence-parallel: split, then gathered
     "lm_head": VocabParallelHead(),
 }
 

@@ -11,13 +11,13 @@ from megatron_slapo.parallel.plans import (
     VocabParallelHead,
     apply_plan,
 )
-from megatron_slapo.parallel.sequence import plan_for
+from megatron_slapo.parallel.sequence import SplitAlongSequence, plan_for
 from megatron_slapo.schedule import Schedule
 
 MODEL_TYPES = ("llama",)  # HF config.model_type values this schedule is written for
 
 PLAN = {
-    "model.embed_tokens": VocabParallelEmbedding(),
+    "model.embed_tokens": VocabParallelEmbedding(positions=False),  # no position embeddings: reduce-scatter under SP
     # one input-gradient all-reduce for q, k, v; each rank's heads their own dropout masks
     "model.layers.*.self_attn": (ParallelRegionInput(), HeadParallelDropout()),
     "model.layers.*.self_attn.q_proj": ColumnParallel(reduce_input_grad=False),
@@ -28,6 +28,7 @@ PLAN = {
     "model.layers.*.mlp.gate_proj": ColumnParallel(reduce_input_grad=False),
     "model.layers.*.mlp.up_proj": ColumnParallel(reduce_input_grad=False),
     "model.layers.*.mlp.down_proj": RowParallel(),
+    "model.norm": SplitAlongSequence(gather_output=True),  # under --sequence-parallel: split, then gathered
     "lm_head": VocabParallelHead(),
 }
 

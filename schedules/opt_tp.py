@@ -12,7 +12,7 @@ from megatron_slapo.parallel.plans import (
     VocabParallelHead,
     apply_plan,
 )
-from megatron_slapo.parallel.sequence import plan_for
+from megatron_slapo.parallel.sequence import SplitAlongSequence, plan_for, present
 from megatron_slapo.schedule import Schedule
 
 MODEL_TYPES = ("opt",)  # HF config.model_type values this schedule is written for
@@ -31,7 +31,11 @@ PLAN = {
     f"{LAYER}.fc2": RowParallel(sequence_dim=0),
     "lm_head": VocabParallelHead(),
 }
+# after the layers: under --sequence-parallel split, the last one gathers (OPT-350m: project_out only)
+TAIL = ("model.decoder.final_layer_norm", "model.decoder.project_out")
 
 
 def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
-    apply_plan(sch, plan_for(PLAN, args))
+    tail = present(sch, *TAIL)
+    tail = {path: SplitAlongSequence(gather_output=path == tail[-1]) for path in tail}
+    apply_plan(sch, plan_for({**PLAN, **tail}, args))

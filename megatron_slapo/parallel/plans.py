@@ -117,28 +117,41 @@ class RowParallel:
 
 @dataclass(frozen=True)
 class VocabParallelEmbedding:
-    """Split the embedding table along the vocabulary; all-reduce the looked-up vectors."""
+    """Split the embedding table along the vocabulary; all-reduce the looked-up vectors.
+
+    ``positions=False`` says that nothing is added to the lookup before the first layer (no
+    position or token-type embeddings, as Llama): under sequence parallelism the lookup then stays
+    a partial sum, which the first layer reduce-scatters along the sequence (see sequence.py).
+    """
+
+    positions: bool = True
+    sequence_parallel: bool = False
 
     def apply(self, sch: Schedule) -> None:
         sch.shard("weight", axis=0)
-        sch.sync("fwd_post", "all_reduce")
+        if self.positions or not self.sequence_parallel:
+            sch.sync("fwd_post", "all_reduce")
 
 
 @dataclass(frozen=True)
 class VocabParallelHead:
     """An LM head whose logits stay split along the vocabulary (Megatron's ``parallel_output``).
 
-    The weight is sharded like the (usually tied) embedding, the input gradient is all-reduced, and
-    the enclosing HF model's ``loss_function`` becomes the vocabulary-parallel cross-entropy, so
-    ``model(input_ids, labels=labels).loss`` stays correct without gathering ``B x S x V`` logits.
+    The weight is sharded like the (usually tied) embedding, the input gradient is all-reduced (under
+    sequence parallelism the module before the head gathers the sequence and reduce-scatters this
+    gradient: see ``SplitAlongSequence``), and the enclosing HF model's ``loss_function`` becomes
+    the vocabulary-parallel cross-entropy, so ``model(input_ids, labels=labels).loss`` stays
+    correct without gathering ``B x S x V`` logits.
     """
 
     causal: bool = True
+    sequence_parallel: bool = False
 
     def apply(self, sch: Schedule) -> None:
         sch.shard("weight", axis=0)
         _shard_bias(sch, 1)
-        sch.sync("bwd_post", "all_reduce")
+        if not self.sequence_parallel:
+            sch.sync("bwd_post", "all_reduce")
         owner = sch.parent
         while owner is not None and not isinstance(owner.mod, PreTrainedModel):
             owner = owner.parent

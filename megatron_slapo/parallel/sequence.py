@@ -6,12 +6,24 @@ and computes ``1/t`` of them. A region is then entered by all-gathering the sequ
 reduce-scatters the partial gradients) instead of Megatron's ``f``, and left by reduce-scattering
 the partial outputs instead of the all-reduce ``g``: the same bytes, fewer activations.
 
-Here the split spans the transformer layers: the first layer's input is scattered along the
-sequence and the last layer's output gathered (the embeddings before and the head after stay
-replicated, so no model needs its position embeddings or pooler rewritten). A parameter used on
-the split activations (a norm's weight, a row-parallel layer's bias) sees only this rank's part of
-the sequence, so its gradient is a partial sum: it is tagged ``sequence_parallel``, Megatron's
-attribute, and the engines sum it over the tensor-parallel ranks.
+The split spans what Megatron's spans, from the first layer's input to the LM head's input:
+
+- *start*: a model that adds position (or token-type) embeddings to the vocabulary-parallel lookup
+  all-reduces the lookup and the first layer keeps its part of the sum (a local split; all-gather
+  backward), as Megatron does. A model without them (Llama) leaves the lookup a partial sum and
+  the first layer reduce-scatters it (``VocabParallelEmbedding(positions=False)``), as Megatron's
+  ``reduce_scatter_embeddings``; HF computes masks and positions from the embedding's output
+  shape, so the split cannot happen at the embedding itself.
+- *end*: the modules after the last layer (the final norm, BERT's MLM transform) run on the split
+  sequence; the plan names them :class:`SplitAlongSequence`, and the last of them all-gathers its
+  output for the LM head, reduce-scattering the head's partial input gradient backward (Megatron
+  gathers in the output layer itself; HF reshapes the final norm's output to the full sequence
+  first, so the gather comes before). BERT's pooler gathers the sequence for itself
+  (:class:`GatherSequence`).
+
+A parameter used on the split activations (a norm's weight, a row-parallel layer's bias) sees only
+this rank's part of the sequence, so its gradient is a partial sum: it is tagged
+``sequence_parallel``, Megatron's attribute, and the engines sum it over the tensor-parallel ranks.
 
 Activations are batch-first in HF models: the sequence is dim 1.
 """
@@ -20,14 +32,68 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from megatron_slapo.parallel.plans import ColumnParallel, ParallelRegionInput, RowParallel
+from megatron_slapo.errors import SchedulingError
+from megatron_slapo.parallel.plans import (
+    ColumnParallel,
+    ParallelRegionInput,
+    RowParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
+from megatron_slapo.primitives.placement import Role
 
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
 
 SEQUENCE_DIM = 1
+
+
+def _tag_split_parameters(sch: Schedule) -> None:
+    """Tag every parameter of ``sch``'s subtree that is not sharded: it sees part of the sequence."""
+    for _, node in sch.named_schedules():
+        for name, _ in node.mod.named_parameters(recurse=False):
+            tagged = node.metadata.annotations.get(name, {}).get("sequence_parallel")
+            if name not in node.metadata.shards and not tagged:
+                node.annotate(name, "sequence_parallel", True)
+
+
+@dataclass(frozen=True)
+class SplitAlongSequence:
+    """A replicated module between the last layer and the LM head (a final norm, BERT's MLM
+    transform). Under sequence parallelism it runs on this rank's part of the sequence and its
+    parameters' gradients are partial sums; ``gather_output`` (the last such module) all-gathers
+    the sequence for the vocabulary-parallel head, whose input gradient, a partial sum over the
+    vocabulary shards, it reduce-scatters backward: its output must feed only that head. Without
+    sequence parallelism the placement does nothing."""
+
+    gather_output: bool = False
+    sequence_parallel: bool = False
+
+    def apply(self, sch: Schedule) -> None:
+        if self.sequence_parallel:
+            _tag_split_parameters(sch)
+            if self.gather_output:
+                sch.sync("fwd_post", "all_gather", axis=SEQUENCE_DIM, backward="reduce_scatter")
+
+
+@dataclass(frozen=True)
+class GatherSequence:
+    """A replicated module that needs the whole sequence (BERT's pooler reads the first token).
+    Under sequence parallelism it all-gathers its input; backward each rank keeps its part of the
+    (replicated) gradient. Otherwise the placement does nothing."""
+
+    sequence_parallel: bool = False
+
+    def apply(self, sch: Schedule) -> None:
+        if self.sequence_parallel:
+            sch.sync("fwd_pre", "all_gather", axis=SEQUENCE_DIM, backward="split")
+
+
+_REWRITTEN = (ColumnParallel, ParallelRegionInput, RowParallel, VocabParallelEmbedding, VocabParallelHead,
+              SplitAlongSequence, GatherSequence)  # fmt: skip
 
 
 def sequence_parallel_plan(plan: Mapping[str, Any]) -> dict[str, Any]:
@@ -36,7 +102,7 @@ def sequence_parallel_plan(plan: Mapping[str, Any]) -> dict[str, Any]:
     def rewrite(placement: Any) -> Any:
         if isinstance(placement, tuple):
             return tuple(rewrite(p) for p in placement)
-        if isinstance(placement, (ColumnParallel, ParallelRegionInput, RowParallel)):
+        if isinstance(placement, _REWRITTEN):
             return dataclasses.replace(placement, sequence_parallel=True)
         return placement
 
@@ -48,14 +114,27 @@ def plan_for(plan: Mapping[str, Any], args: Any) -> Mapping[str, Any]:
     return sequence_parallel_plan(plan) if getattr(args, "sequence_parallel", False) else plan
 
 
+def present(sch: Schedule, *paths: str) -> list[str]:
+    """Those of ``paths`` that name a submodule of ``sch`` (HF variants differ: OPT-350m has no
+    final norm but a ``project_out``)."""
+    names = {path for path, _ in sch.named_schedules()}
+    return [p for p in paths if p in names]
+
+
 def split_layers(sch: Schedule, layers: list[str]) -> None:
-    """Split the activations along the sequence from the first layer's input to the last layer's
-    output, and tag the parameters that then see part of the sequence."""
-    sch[layers[0]].sync("fwd_pre", "scatter", axis=SEQUENCE_DIM)
-    sch[layers[-1]].sync("fwd_post", "all_gather", axis=SEQUENCE_DIM, backward="split")
+    """Split the activations along the sequence from the first layer's input on (see the module
+    docstring for where the split ends), and tag the layers' parameters that see part of it."""
+    unreduced = [path for path, node in sch.named_schedules()
+                 if node.metadata.role is Role.VOCAB and not any(mode == "fwd_post" for mode, _ in node.metadata.syncs)]  # fmt: skip
+    if unreduced:  # VocabParallelEmbedding(positions=False): the lookup is a partial sum until here
+        sch[layers[0]].sync("fwd_pre", "reduce_scatter", axis=SEQUENCE_DIM)
+    else:
+        sch[layers[0]].sync("fwd_pre", "scatter", axis=SEQUENCE_DIM)
+    inside = tuple(layer + "." for layer in layers)
+    if not any(("fwd_post", "all_gather") in node.metadata.syncs and not path.startswith(inside)
+               for path, node in sch.named_schedules()):  # fmt: skip
+        raise SchedulingError("--sequence-parallel: nothing after the layers gathers the sequence for the LM head; "
+                              "give the final norm SplitAlongSequence(gather_output=True) and apply the plan with "
+                              "plan_for(plan, args)")  # fmt: skip
     for layer in layers:
-        for _, node in sch[layer].named_schedules():
-            for name, _ in node.mod.named_parameters(recurse=False):
-                tagged = node.metadata.annotations.get(name, {}).get("sequence_parallel")
-                if name not in node.metadata.shards and not tagged:
-                    node.annotate(name, "sequence_parallel", True)
+        _tag_split_parameters(sch[layer])

@@ -69,14 +69,22 @@ def test_tp2_bytes_per_step_equal_megatrons_count(schedule, shared_tmp, cache):
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_tp2_sequence_parallel_bytes_per_step(schedule, shared_tmp, cache):
-    """With --sequence-parallel each layer enters its two regions by all-gathering the sequence and
-    leaves them by reduce-scattering (forward), and the converse backward: 4 all-gathers and 4
-    reduce-scatters of b·s·h per layer, Megatron's count, in place of its 4 all-reduces. The split
-    spans the layers: the first layer's input is scattered (all-gathered backward) and the last
-    layer's output gathered; the embedding and the head keep their all-reduce, the loss its three.
-    Once a step, the gradients of the weights that see part of the sequence (the layers' norms and
-    row-parallel biases) are all-reduced over the tensor-parallel ranks."""
+def test_tp2_sequence_parallel_bytes_per_step_equal_megatrons_count(schedule, shared_tmp, cache):
+    """Megatron's count with --sequence-parallel, per micro-batch of b·s·h activations:
+
+    - each layer enters its two regions by all-gathering the sequence and leaves them by
+      reduce-scattering (forward), and the converse backward: 4 all-gathers and 4 reduce-scatters
+      per layer in place of 4 all-reduces (Megatron-LM's column-parallel layers also gather their
+      input again for the weight gradient, to save memory; we keep the gathered input instead);
+    - start: with position embeddings (GPT-2, GPT-Neo, OPT, BERT) the lookup is all-reduced and the
+      first layer keeps its part (all-gather backward); without (Llama) the lookup is
+      reduce-scattered (all-gather backward), Megatron's ``reduce_scatter_embeddings``;
+    - end: the final norm runs on the split sequence and the head's input is all-gathered
+      (reduce-scatter backward); BERT's pooler gathers the sequence too (its backward keeps this
+      rank's part); the loss all-reduces three b·s tensors;
+    - once a step, the gradients of the weights that saw part of the sequence (norms, row-parallel
+      biases, BERT's MLM transform) are all-reduced over the tensor-parallel ranks, as Megatron's
+      ``finalize_model_grads`` does."""
     task, flags = SCHEDULES[schedule]
     b, s, h, layers, micro, fp32 = 4, 32, 64, 2, 2, 4
     tb = os.path.join(shared_tmp, f"tb-comm-sp-{schedule}")
@@ -84,10 +92,18 @@ def test_tp2_sequence_parallel_bytes_per_step(schedule, shared_tmp, cache):
                         "--train-iters", "2", "--eval-iters", "0", "--log-comm", "--data-cache-path", cache], tb)  # fmt: skip
     measured = {op: last_rank_value(lambda op=op: tb_scalars(tb, f"comm-bytes/{op}[tp]"))
                 for op in ("all_reduce", "all_gather_single", "reduce_scatter_single")}  # fmt: skip
-    activation = micro * b * s * h * fp32
-    split_weights = layers * h * (2 if schedule == "llama_tp" else 6)  # Llama: two RMSNorms, no biases
-    expected = {"all_reduce": 2 * activation + micro * 3 * b * s * fp32 + split_weights * fp32,
-                "all_gather_single": (4 * layers + 2) * activation, "reduce_scatter_single": 4 * layers * activation}  # fmt: skip
+    activation, loss = micro * b * s * h * fp32, micro * 3 * b * s * fp32
+    positions = schedule != "llama_tp"
+    split_weights = {  # per layer: norms and row-parallel biases; then the modules after the layers
+        "gpt_tp": layers * 6 * h + 2 * h, "gpt_neo_tp": layers * 6 * h + 2 * h, "opt_tp": layers * 6 * h + 2 * h,
+        "llama_tp": layers * 2 * h + h, "bert_tp": layers * 6 * h + (h * h + h) + 2 * h,
+    }[schedule]  # fmt: skip
+    pooler = schedule == "bert_tp"
+    expected = {
+        "all_reduce": (activation if positions else 0) + loss + split_weights * fp32,
+        "all_gather_single": (4 * layers + 2 + pooler) * activation,
+        "reduce_scatter_single": (4 * layers + 1 + (not positions)) * activation,
+    }
     assert measured == {op: {1: v, 2: v} for op, v in expected.items()}, (measured, expected)
 
 

@@ -46,10 +46,27 @@ def test_schedule_matches_the_unscheduled_model(group, case, sequence_parallel):
     sharded = [path for path, node in sch.named_schedules() if node.metadata.shards]
     assert len(sharded) >= 4, sharded
     split = [name for name, p in model.named_parameters() if getattr(p, "sequence_parallel", False)]
-    assert bool(split) == sequence_parallel and all(".layer" in name or ".h." in name for name in split), split
-    sharded = [path for path, node in sch.named_schedules() if node.metadata.shards]
-    assert len(sharded) >= 4, sharded
+    after_layers = ("ln_f", "norm", "final_layer_norm", "predictions.transform", "lm_head.dense", "lm_head.layer_norm")
+    in_layers = (".layer", ".h.", *after_layers)  # the layers, then the final norm / MLM transform up to the head
+    assert bool(split) == sequence_parallel and all(any(k in name for k in in_layers) for name in split), split
+    assert sequence_parallel == any(any(k in name for k in after_layers) for name in split), split
 
 
 def test_every_schedule_is_covered():
     assert {case.split("/")[0] for case in CASES} == set(SCHEDULES) - {"default"}
+
+
+def test_sequence_parallel_needs_a_gather_before_the_head(group):
+    """A plan whose final norm does not gather the sequence would hand the LM head part of it."""
+    from megatron_slapo.errors import SchedulingError
+    from megatron_slapo.parallel.plans import apply_plan
+    from megatron_slapo.parallel.sequence import plan_for
+    from schedules.gpt_tp import PLAN
+
+    with torch.device("meta"):
+        model = CASES["gpt_tp"]()
+    sch = ms.create_schedule(model, group)
+    plan = {k: v for k, v in PLAN.items() if k != "transformer.ln_f"}
+    apply_plan(sch, plan_for(plan, argparse.Namespace(sequence_parallel=True)))
+    with pytest.raises(SchedulingError, match="nothing after the layers gathers the sequence"):
+        split_layers(sch, transformer_layers(model, model.config.num_hidden_layers))
