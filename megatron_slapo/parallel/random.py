@@ -43,10 +43,12 @@ class RNGStatesTracker:
     def __init__(self) -> None:
         self._states: dict[str, torch.Tensor] = {}
         self._seeds: set[int] = set()
+        self._active: set[str] = set()  # streams forked now
 
     def reset(self) -> None:
         self._states = {}
         self._seeds = set()
+        self._active = set()
 
     def is_seeded(self, name: str = MODEL_PARALLEL_RNG) -> bool:
         return name in self._states
@@ -76,19 +78,47 @@ class RNGStatesTracker:
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         self._states = {k: v.clone() for k, v in states.items()}
 
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
+        """The streams and which of them are forked now: what a recompute must replay."""
+        return self.get_states(), frozenset(self._active)
+
+    @contextlib.contextmanager
+    def replay(self, snapshot: tuple[dict[str, torch.Tensor], frozenset[str]]) -> Iterator[None]:
+        """Run the body with the streams of ``snapshot``. A stream that was forked then is forked
+        again: its live state is the default generator's, which activation checkpointing restores."""
+        states, active = snapshot
+        current, current_active = self.get_states(), self._active
+        self.set_states(states)
+        self._active = set(active)
+        try:
+            yield
+        finally:
+            self.set_states(current)
+            self._active = current_active
+
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
-        """Run the body on stream ``name``; the default stream resumes where it was afterwards."""
+        """Run the body on stream ``name``; the default stream resumes where it was afterwards.
+
+        A fork inside a fork of the same stream (a layer forked under sequence parallelism, its
+        attention core forked too) keeps drawing from it: swapping in the stored state again would
+        replay the outer fork's numbers, so the two dropouts would share their masks.
+        """
         if name not in self._states:
             raise RuntimeError(
                 f"RNG stream {name!r} is not seeded: call megatron_slapo.parallel.initialize(...) or "
                 "megatron_slapo.parallel.seed(...) before running a module scheduled with fork_rng()"
             )
+        if name in self._active:
+            yield
+            return
         saved = _get_state()
         _set_state(self._states[name])
+        self._active.add(name)
         try:
             yield
         finally:
+            self._active.discard(name)
             self._states[name] = _get_state()
             _set_state(saved)
 

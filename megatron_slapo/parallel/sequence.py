@@ -24,6 +24,9 @@ The split spans what Megatron's spans, from the first layer's input to the LM he
 A parameter used on the split activations (a norm's weight, a row-parallel layer's bias) sees only
 this rank's part of the sequence, so its gradient is a partial sum: it is tagged
 ``sequence_parallel``, Megatron's attribute, and the engines sum it over the tensor-parallel ranks.
+Dropout on the split activations must draw a mask per rank, not one mask repeated on every part:
+the layers run on the model-parallel RNG stream, as Megatron's transformer block does under
+sequence parallelism.
 
 Activations are batch-first in HF models: the sequence is dim 1.
 """
@@ -138,3 +141,5 @@ def split_layers(sch: Schedule, layers: list[str]) -> None:
                               "plan_for(plan, args)")  # fmt: skip
     for layer in layers:
         _tag_split_parameters(sch[layer])
+        if not sch[layer].metadata.forked_rng:  # dropout on this rank's part of the sequence: masks of its own
+            sch[layer].fork_rng()

@@ -9,7 +9,7 @@ streams (:mod:`megatron_slapo.parallel.random`) to where they were when the forw
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,20 +26,10 @@ if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
 
 
-@contextlib.contextmanager
-def _replay_tracker(states: dict[str, torch.Tensor]) -> Iterator[None]:
-    tracker = get_rng_tracker()
-    current = tracker.get_states()
-    tracker.set_states(states)
-    try:
-        yield
-    finally:
-        tracker.set_states(current)
-
-
 def _tracker_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     # Called once per checkpointed forward: snapshot the streams now, replay them on recompute.
-    return contextlib.nullcontext(), _replay_tracker(get_rng_tracker().get_states())
+    tracker = get_rng_tracker()
+    return contextlib.nullcontext(), tracker.replay(tracker.snapshot())
 
 
 def checkpointed(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

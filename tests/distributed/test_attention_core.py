@@ -8,6 +8,8 @@ while the masks on replicated activations agree, and recomputing the core replay
 outputs and gradients with selective recompute equal those without, bit for bit.
 """
 
+import argparse
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,6 +18,7 @@ import transformers
 
 import megatron_slapo as ms
 from megatron_slapo.parallel.plans import HeadParallelDropout, apply_plan
+from megatron_slapo.parallel.sequence import split_layers
 from schedules import gpt_tp
 from tests.distributed.conftest import use_layout
 from tests.utils import tiny_gpt2_config
@@ -42,7 +45,8 @@ def _dropout_masks(model, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
 
     def recording(x, p=0.5, training=True, inplace=False):
         out = dropout(x, p, training, inplace)
-        masks[x.dim()].append(out == 0)
+        if p > 0:  # not the embedding's dropout of p=0
+            masks[x.dim()].append(out == 0)
         return out
 
     monkeypatch.setattr(F, "dropout", recording)
@@ -95,3 +99,41 @@ def test_attention_core_needs_a_module_that_calls_the_attention_function(group):
         HeadParallelDropout().apply(sch["transformer.h.0.attn"])
     sch["transformer.h.0.attn"].attention_core(checkpoint=True)  # the other one may follow
     assert model.config._attn_implementation != model.transformer.h[0].attn.config._attn_implementation
+
+
+def _sequence_parallel_model(group, recompute: str | None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = tiny_gpt2_config(attn_pdrop=0.5, resid_pdrop=0.3, embd_pdrop=0.0, use_cache=False)  # recompute
+    config._attn_implementation = "eager"
+    model = transformers.GPT2LMHeadModel(config).train()
+    sch = ms.create_schedule(model, group)
+    gpt_tp.apply(sch, config, argparse.Namespace(sequence_parallel=True))
+    layers = [f"transformer.h.{i}" for i in range(config.n_layer)]
+    split_layers(sch, layers)
+    for layer in layers if recompute else []:
+        if recompute == "full":
+            sch[layer].checkpoint()
+        else:  # the attention block, whose core forks inside the forked layer while recomputed
+            sch[f"{layer}.attn"].checkpoint()
+    return ms.build(sch)
+
+
+@pytest.mark.parametrize("granularity", ["full", "attention"])
+def test_sequence_parallel_layers_draw_their_own_masks_and_replay_them(group, monkeypatch, granularity):
+    """Under --sequence-parallel the residual dropout acts on this rank's part of the sequence: its
+    mask must be its own (one mask repeated on every part otherwise). The layers run on the
+    model-parallel stream, their attention cores too (a fork inside a fork), and recomputing the
+    layers replays every mask: outputs and gradients equal those without recompute, bit for bit."""
+    _, residual = _dropout_masks(_sequence_parallel_model(group, recompute=None), monkeypatch)
+    residuals = _gathered(residual.byte())
+    assert residual.shape[1] == 6 and not torch.equal(residuals[0], residuals[1])
+    results = []
+    for recompute in (None, granularity):
+        model = _sequence_parallel_model(group, recompute)
+        use_layout(2)
+        ids = torch.arange(24).reshape(2, 12)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        results.append([loss.detach(), *(p.grad for p in model.parameters())])
+    for plain, recomputed in zip(*results, strict=True):
+        assert torch.equal(plain, recomputed)
