@@ -41,9 +41,13 @@ class Task(Protocol):
 
 @dataclass
 class StepResult:
-    """One optimizer step, as the trainer logs it."""
+    """One optimizer step, as the trainer logs it.
 
-    metrics: dict[str, float]  # averaged over the micro-batches and data-parallel ranks
+    The metrics stay tensors: reading them waits for the device, which the trainer does only at
+    ``--log-interval`` (and TensorBoard's interval), as Megatron-LM does, or for a skipped step.
+    """
+
+    metrics: dict[str, torch.Tensor]  # 0-dim fp32, averaged over the micro-batches and data-parallel ranks
     grad_norm: float | None  # before clipping; None when the step was skipped
     loss_scale: float
     skipped: bool  # the optimizer step was skipped (non-finite gradients)
@@ -54,12 +58,15 @@ class StepResult:
 
     @property
     def loss_finite(self) -> bool:
-        return all(math.isfinite(v) for v in self.metrics.values())
+        """Reads the metrics (a device sync): ask only of a skipped step."""
+        return all(math.isfinite(v) for v in metrics_to_floats(self.metrics).values())
 
     @property
     def diverging(self) -> bool:
-        """A non-finite loss, or non-finite gradients that loss scaling does not explain."""
-        return not self.loss_finite or (self.skipped and not self.overflow)
+        """A skipped step that loss scaling does not explain: non-finite gradients without an fp16
+        overflow, or a non-finite loss (whose gradients are never finite: a step that was taken
+        had a finite loss, so only skipped steps need reading)."""
+        return self.skipped and (not self.overflow or not self.loss_finite)
 
 
 class Engine(Protocol):
@@ -91,8 +98,9 @@ def accumulate(totals: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor]
         totals[k] = totals.get(k, 0) + v.detach()
 
 
-def average_metrics(totals: dict[str, torch.Tensor], count: int, dp_group: Group) -> dict[str, float]:
-    """Per-micro-batch means of ``totals``, averaged over the data-parallel ranks (one all-reduce)."""
+def average_metrics(totals: dict[str, torch.Tensor], count: int, dp_group: Group) -> dict[str, torch.Tensor]:
+    """Per-micro-batch means of ``totals``, averaged over the data-parallel ranks (one all-reduce);
+    tensors, so that no step waits for the device to read them."""
     names = sorted(totals)
     if not names:
         return {}
@@ -100,7 +108,14 @@ def average_metrics(totals: dict[str, torch.Tensor], count: int, dp_group: Group
     if group_size(dp_group) > 1:
         dist.all_reduce(values, group=dp_group)
         values /= group_size(dp_group)
-    return dict(zip(names, values.tolist(), strict=True))
+    return dict(zip(names, values.unbind(), strict=True))
+
+
+def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Read metric tensors at once (one device sync)."""
+    names = list(metrics)
+    values = torch.stack([metrics[n].float() for n in names]).tolist() if names else []
+    return dict(zip(names, values, strict=True))
 
 
 def tensor_bytes(tensors: list[torch.Tensor]) -> int:
@@ -132,4 +147,4 @@ def evaluate(model: nn.Module, microbatches: list[Batch], task: Task, device: to
         with precision or contextlib.nullcontext():
             _, metrics = task.loss(model, to_device(batch, device))
         accumulate(totals, metrics)
-    return average_metrics(totals, len(microbatches), dp_group)
+    return metrics_to_floats(average_metrics(totals, len(microbatches), dp_group))

@@ -42,6 +42,7 @@ from megatron_slapo.engines.base import (
     Task,
     autocast,
     average_metrics,
+    metrics_to_floats,
     tensor_bytes,
     to_device,
 )
@@ -177,7 +178,7 @@ class MegatronEngine:
         loss, metrics = task.criterion(out, batch)
         return loss, {k: v.detach().float().clone() for k, v in metrics.items()}  # the schedule scales loss in place
 
-    def _run(self, microbatches: list[Batch], task: Task, forward_only: bool) -> dict[str, float]:
+    def _run(self, microbatches: list[Batch], task: Task, forward_only: bool) -> dict[str, torch.Tensor]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         iterators = [iter(microbatches) for _ in self.ddp]
@@ -192,7 +193,7 @@ class MegatronEngine:
             )  # fmt: skip
         return self._metrics(stored, len(microbatches), forward_only)
 
-    def _metrics(self, stored: list[dict[str, torch.Tensor]], count: int, evaluating: bool) -> dict[str, float]:
+    def _metrics(self, stored: list[dict[str, torch.Tensor]], count: int, evaluating: bool) -> dict[str, torch.Tensor]:
         """Per-micro-batch means, averaged over DP on the last stage, then given to every stage."""
         metrics = None
         if self.pp_rank == self.pp_size - 1:
@@ -205,9 +206,9 @@ class MegatronEngine:
             metrics = self._from_last_stage(metrics, evaluating)
         return metrics
 
-    def _from_last_stage(self, metrics: dict[str, float] | None, evaluating: bool) -> dict[str, float]:
+    def _from_last_stage(self, metrics: dict[str, torch.Tensor] | None, evaluating: bool) -> dict[str, torch.Tensor]:
         """The last stage's metrics on every stage: their names once (a pickled broadcast, the
-        first time), then one float64 tensor a step; float64 holds the fp32 means exactly."""
+        first time), then one tensor a step, never read here."""
         from megatron.core import parallel_state as ps
 
         group, last = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank()
@@ -216,10 +217,13 @@ class MegatronEngine:
             dist.broadcast_object_list(box, src=last, group=group)
             self._metric_names[evaluating] = box[0]
         names = self._metric_names[evaluating]
-        values = [metrics[n] for n in names] if metrics is not None else [0.0] * len(names)
-        shared = torch.tensor(values, dtype=torch.float64, device=comm_device(group))
+        device = comm_device(group)
+        if metrics is not None and names:
+            shared = torch.stack([metrics[n].to(device) for n in names])
+        else:
+            shared = torch.zeros(len(names), dtype=torch.float32, device=device)
         dist.broadcast(shared, src=last, group=group)
-        return dict(zip(names, shared.tolist(), strict=True))
+        return dict(zip(names, shared.unbind(), strict=True))
 
     def _finalize_grads(self) -> None:
         from megatron.core import parallel_state as ps
@@ -295,7 +299,7 @@ class MegatronEngine:
     def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
         for model in self.ddp:
             model.eval()
-        return self._run(microbatches, task, forward_only=True)
+        return metrics_to_floats(self._run(microbatches, task, forward_only=True))
 
     # -- accounting and checkpoints ----------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:

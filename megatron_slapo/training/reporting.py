@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_slapo.engines.base import StepResult
+from megatron_slapo.engines.base import StepResult, metrics_to_floats
 
 
 def _now() -> str:
@@ -70,7 +70,7 @@ class Reporter:
         self._reset()
 
     def _reset(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, torch.Tensor] = {}  # read at the log line only: no device sync per step
         self.steps = self.counted = self.skipped = self.nans = 0
         self.seconds = 0.0
         self.comm: dict[str, int] = {}
@@ -92,11 +92,12 @@ class Reporter:
         self.skipped += int(result.skipped)
         for key, value in (result.comm or {}).items():
             self.comm[key] = self.comm.get(key, 0) + value
-        self.nans += int(not result.loss_finite)
-        if result.loss_finite and not result.skipped:  # Megatron averages the losses of the steps taken
+        if result.skipped:  # Megatron reads the loss of a skipped step only, to count NaNs
+            self.nans += int(not result.loss_finite)
+        else:  # and averages the losses of the steps taken
             self.counted += 1
             for k, v in result.metrics.items():
-                self.sums[k] = self.sums.get(k, 0.0) + v
+                self.sums[k] = self.sums.get(k, 0) + v
         if self.writer and iteration % self.args.tensorboard_log_interval == 0:
             self._scalars(iteration, consumed, result, seconds)
         if iteration % self.args.log_interval == 0:
@@ -126,7 +127,7 @@ class Reporter:
         if self.args.log_memory_to_tensorboard:
             for tag, value in memory_stats().items():
                 self.writer.add_scalar(tag, value, iteration)
-        for name, value in result.metrics.items():
+        for name, value in metrics_to_floats(result.metrics).items():
             self.writer.add_scalar(name, value, iteration)
             self.writer.add_scalar(f"{name} vs samples", value, consumed)
 
@@ -143,7 +144,7 @@ class Reporter:
             else f"throughput per GPU (TFLOP/s/GPU): {tflops:.3f}",
             f"learning rate: {result.learning_rate:.6E}",
             f"global batch size: {self.args.global_batch_size:5d}",
-            *(f"{name}: {value / counted:.6E}" for name, value in sorted(self.sums.items())),
+            *(f"{name}: {value / counted:.6E}" for name, value in sorted(metrics_to_floats(self.sums).items())),
             f"loss scale: {result.loss_scale:.1f}",
         ]
         if result.grad_norm is not None:

@@ -125,3 +125,34 @@ def test_distributed_timeout_reaches_the_process_groups(cache):
     for group in (ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()):
         assert group._get_backend(torch.device("cpu")).options._timeout == datetime.timedelta(minutes=7)
     dist.barrier()
+
+
+@pytest.mark.parametrize("layout", [[], ["--pipeline-model-parallel-size", "2"]], ids=["dp2", "pp2"])
+def test_metrics_are_read_only_at_the_log_and_tensorboard_intervals(shared_tmp, cache, rank, monkeypatch, layout):
+    """Reading a metric waits for the device. Steps hand their metrics on as tensors; the trainer
+    reads them at --log-interval (every rank: the line) and --tensorboard-log-interval (the last
+    rank, which writes), as Megatron-LM does: 8 steps, intervals 4 and 8 -> 2 reads, 3 on the last rank."""
+    from megatron_slapo.training import reporting
+
+    reads = []
+    original = reporting.metrics_to_floats
+
+    def counting(metrics):
+        reads.append(sorted(metrics))
+        return original(metrics)
+
+    kinds = set()
+    step = reporting.Reporter.step
+
+    def recording(self, iteration, consumed, result, seconds):
+        kinds.update(type(v) for v in result.metrics.values())
+        return step(self, iteration, consumed, result, seconds)
+
+    monkeypatch.setattr(reporting, "metrics_to_floats", counting)
+    monkeypatch.setattr(reporting.Reporter, "step", recording)
+    tb = os.path.join(shared_tmp, f"tb-reads-{len(layout)}")
+    pretrain("gpt", run_args(cache, *layout, "--train-iters", "8", "--log-interval", "4", "--tensorboard-log-interval",
+                             "8", "--tensorboard-dir", tb))  # fmt: skip
+    assert kinds == {torch.Tensor}  # not read by the engine either
+    assert reads == [["lm loss"]] * (3 if rank == dist.get_world_size() - 1 else 2), reads
+    assert sorted(last_rank_value(lambda: tb_scalars(tb, "lm loss"))) == [8]
