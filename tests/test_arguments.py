@@ -214,10 +214,12 @@ def test_loss_scale_flags_drive_the_dynamic_scaler():
     scales = []
     for overflow in [False] * 3 + [True] * 5:
         scaler.update(overflow)
-        scales.append(scaler.scale)
+        scales.append(float(scaler.scale))
     # grows after 3 clean steps; the 1st overflow is tolerated (hysteresis 2), then halves down to the minimum
     assert scales == [1024, 1024, 2048, 2048, 1024, 512, 256, 256]
-    assert loss_scaler_for(args_for("--fp16", "--loss-scale", "8", "--loss-scale-window", "1")).static
+    static = loss_scaler_for(args_for("--fp16", "--loss-scale", "8", "--loss-scale-window", "1"))
+    static.update(True)
+    assert float(static.scale) == 8
 
 
 def test_deepspeed_fp16_config_takes_the_loss_scale_flags(tmp_path):

@@ -18,7 +18,7 @@ from torch import nn
 
 from megatron_slapo.engines.base import Batch, StepResult, accumulate, average_metrics
 from megatron_slapo.parallel.collectives import Group
-from megatron_slapo.training.loss_scaler import loss_scaler_for
+from megatron_slapo.training.loss_scaler import load_scaler_state, loss_scaler_for
 from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, clip_grads
 
 
@@ -34,7 +34,7 @@ class LocalStep:
 
     @property
     def loss_scale(self) -> float:
-        return self.scaler.scale if self.scaler else 1.0
+        return float(self.scaler.scale) if self.scaler else 1.0
 
     def backward(self, microbatches: list[Batch], loss_of: Callable[[Batch], tuple[torch.Tensor, dict]],
                  sync: Callable[[bool], contextlib.AbstractContextManager]) -> dict[str, torch.Tensor]:  # fmt: skip
@@ -86,4 +86,4 @@ class LocalStep:
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["opt_param_scheduler"])
         if self.scaler and "grad_scaler" in state:
-            self.scaler.load_state_dict(state["grad_scaler"])
+            load_scaler_state(self.scaler, state["grad_scaler"])

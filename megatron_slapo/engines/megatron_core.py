@@ -16,16 +16,17 @@ over megatron-core's embedding group, so both copies stay equal. megatron-core's
 with the norm over all model-parallel ranks (each tied weight counted once) and, with
 ``--use-distributed-optimizer``, shards its state over the data-parallel ranks.
 
-Precision: ``--bf16`` is Megatron-LM's: the stages' weights are bf16, megatron-core's optimizer keeps
-fp32 main weights (and steps them), gradients accumulate and reduce in fp32 buffers, and pipeline
-messages travel in bf16. ``--fp16`` is autocast over fp32 weights with our loss scaler
-(megatron-core's scalers allocate on CUDA).
+Precision is Megatron-LM's: with ``--bf16`` or ``--fp16`` the stages' weights are in that dtype,
+megatron-core's mixed-precision optimizer keeps fp32 main weights (and steps them), and pipeline
+messages travel in that dtype. Gradients accumulate and reduce in fp32 buffers with bf16; with
+fp16 in fp16 buffers unless ``--accumulate-allreduce-grads-in-fp32``. fp16 scales the loss with
+megatron-core's ``DynamicGradScaler`` (or ``ConstantGradScaler`` for ``--loss-scale``), which
+unscales the gradients, checks them for inf/NaN over the model-parallel ranks and skips the step.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import math
 import os
@@ -40,7 +41,6 @@ from megatron_slapo.engines.base import (
     Batch,
     StepResult,
     Task,
-    autocast,
     average_metrics,
     metrics_to_floats,
     tensor_bytes,
@@ -51,7 +51,6 @@ from megatron_slapo.errors import CheckpointError
 from megatron_slapo.parallel import cpu_compat
 from megatron_slapo.parallel.collectives import Group, all_reduce_flat, comm_device, group_size
 from megatron_slapo.pipeline import PipelineStages
-from megatron_slapo.training.loss_scaler import loss_scaler_for
 from megatron_slapo.training.optimizer import build_scheduler
 
 PARAMETER_STATE = "distrib_optim.pt"  # Megatron-LM's file for the distributed optimizer's shards
@@ -67,7 +66,8 @@ class MegatronEngine:
     MIXED_PRECISION = {
         "bf16": "bf16 weights with fp32 main copies in megatron-core's optimizer; gradients accumulated and "
         "reduced in fp32; pipeline messages in bf16",
-        "fp16": "autocast over fp32 weights: matmuls in fp16, fp32 gradients, reduced in fp32",
+        "fp16": "fp16 weights with fp32 main copies in megatron-core's optimizer and its loss scaler; gradients "
+        "accumulated and reduced in fp16 (fp32 with --accumulate-allreduce-grads-in-fp32); pipeline messages in fp16",
     }
 
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
@@ -81,16 +81,17 @@ class MegatronEngine:
         stages = model.local(self.pp_rank, self.pp_size) if isinstance(model, PipelineStages) else [(0, model)]
         total = len(model.stages) if isinstance(model, PipelineStages) else 1
         self.device = next(stages[0][1].parameters()).device
-        self.scaler = loss_scaler_for(args)  # --fp16: the schedule scales the loss, the step unscales the grads
-        self.dtype = torch.bfloat16 if args.bf16 else torch.float32  # weights and pipeline messages
+        # weights and pipeline messages
+        self.dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+        self.grads_in_fp32 = not args.fp16 or args.accumulate_allreduce_grads_in_fp32
         with cpu_compat.device_mode():
             self.config = self._transformer_config(total)
             self.chunks = [StageChunk(stage, k == 0, k == total - 1, self.config) for k, stage in stages]
             self._mark_tied(model)
-            if args.bf16:  # Megatron's --bf16: bf16 weights, fp32 main copies in the optimizer
+            if self.dtype != torch.float32:  # Megatron's --bf16/--fp16: such weights, fp32 main copies in the optimizer
                 for chunk in self.chunks:
                     for p in chunk.parameters():
-                        p.data = p.data.to(torch.bfloat16)
+                        p.data = p.data.to(self.dtype)
             self.ddp = [self._wrap(chunk) for chunk in self.chunks]
             # Weights that saw part of the sequence on each TP rank: their gradient buffers (views
             # into DDP's, fixed from here on) are summed over TP after each backward, as
@@ -102,8 +103,8 @@ class MegatronEngine:
         self.scheduler = build_scheduler(self.optimizer, args)
         no_sync = [m.no_sync for m in self.ddp]
         self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        if self.scaler:
-            self.config.grad_scale_func = lambda loss: loss * self.scaler.scale
+        if args.fp16:  # the schedules scale each micro-batch's loss by the optimizer's loss scale
+            self.config.grad_scale_func = self.optimizer.scale_loss
         if args.overlap_grad_reduce:
             grad_sync = [m.start_grad_sync for m in self.ddp]
             self.config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
@@ -119,6 +120,7 @@ class MegatronEngine:
             num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
             tensor_model_parallel_size=group_size(self.tp_group), pipeline_model_parallel_size=self.pp_size,
             virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=self.dtype, params_dtype=self.dtype, bf16=a.bf16,
+            fp16=a.fp16,
             # With two pipeline ranks the previous and the next rank are the same peer; batched p2p then
             # pairs the interleaved schedule's messages crosswise (cpu-feasibility.md §1): send one by one.
             batch_p2p_comm=not (vpp and self.pp_size == 2), batch_p2p_sync=torch.cuda.is_available(),
@@ -150,7 +152,7 @@ class MegatronEngine:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=self.args.overlap_grad_reduce,
+            grad_reduce_in_fp32=self.grads_in_fp32, overlap_grad_reduce=self.args.overlap_grad_reduce,
             use_distributed_optimizer=self.args.use_distributed_optimizer,
         )  # fmt: skip
         return DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=chunk)
@@ -161,17 +163,17 @@ class MegatronEngine:
         a = self.args
         config = OptimizerConfig(
             optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
-            adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad, bf16=a.bf16, fp16=False,
+            adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad, bf16=a.bf16, fp16=a.fp16,
             params_dtype=self.dtype, use_distributed_optimizer=a.use_distributed_optimizer,
+            loss_scale=a.loss_scale, initial_loss_scale=a.initial_loss_scale, min_loss_scale=a.min_loss_scale,
+            loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
         )  # fmt: skip
         return get_megatron_optimizer(config, self.ddp)
 
     # -- steps -------------------------------------------------------------------------------------
     def _forward_step(self, task: Task, data_iterator: Any, chunk: nn.Module) -> tuple[Any, Any]:
         batch = to_device(next(data_iterator), self.device)
-        with autocast(self.args, self.device) if not self.args.bf16 else contextlib.nullcontext():
-            out = chunk(**task.inputs(batch))
-        return out, functools.partial(self._loss, task, batch)
+        return chunk(**task.inputs(batch)), functools.partial(self._loss, task, batch)
 
     @staticmethod
     def _loss(task: Task, batch: Batch, out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -242,38 +244,33 @@ class MegatronEngine:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
         metrics = self._run(microbatches, task, forward_only=False)
-        scale = self.scaler.scale if self.scaler else 1.0
         with cpu_compat.device_mode():
             self._finalize_grads()
-            grad_norm = self._unscaled_grad_norm(scale)
-            finite = math.isfinite(grad_norm)
+            overflow, grad_norm = self._prepare_grads()
+            finite = not overflow and math.isfinite(grad_norm)
             if finite:
                 self._clip(grad_norm)
                 finite = self.optimizer.step_with_ready_grads()
-        if self.scaler:
-            self.scaler.update(found_inf=not finite)
+            loss_scale = float(self.optimizer.get_loss_scale())  # after its update, as Megatron logs it
         if finite:
             self.scheduler.step(increment=self.args.global_batch_size)
         params_norm = self._params_norm() if self.args.log_params_norm else None
         return StepResult(
-            metrics=metrics, grad_norm=grad_norm if finite else None, loss_scale=scale, skipped=not finite,
-            overflow=not finite and self.scaler is not None, learning_rate=self.optimizer.param_groups[0]["lr"],
-            params_norm=params_norm,
+            metrics=metrics, grad_norm=grad_norm if finite else None, loss_scale=loss_scale, skipped=not finite,
+            overflow=overflow, learning_rate=self.optimizer.param_groups[0]["lr"], params_norm=params_norm,
         )  # fmt: skip
 
-    def _unscaled_grad_norm(self, scale: float) -> float:
-        """Divide the reduced gradients by the loss scale and hand them to the optimizer; their
-        global norm, over megatron-core's gradient-statistics group (model-parallel ranks, and the
-        data-parallel ones whose shards the distributed optimizer owns). It is NaN or inf exactly
-        when some gradient is, on any rank: the step is then skipped everywhere (megatron-core's own
-        ``step`` would apply it in fp32 and bf16, where it has no loss scaler to check)."""
-        if scale != 1.0:
-            for chunk in self.chunks:
-                for p in chunk.parameters():
-                    if p.requires_grad:
-                        p.main_grad.div_(scale)
-        self.optimizer.prepare_grads()  # main_grad -> the fp32 (shard's) .grad; no scaler of its own
-        return float(self.optimizer.get_grad_norm())
+    def _prepare_grads(self) -> tuple[bool, float]:
+        """Hand the reduced gradients to the optimizer's fp32 (shard's) ``.grad``; with --fp16 its
+        scaler unscales them, finds inf/NaN over the model-parallel ranks and updates the scale.
+        Then (no overflow) their global norm over megatron-core's gradient-statistics group
+        (model-parallel ranks, and the data-parallel ones whose shards the distributed optimizer
+        owns): NaN or inf exactly when some gradient is, on any rank, so the step is skipped
+        everywhere (megatron-core's own ``step`` would apply it in fp32 and bf16, which have no
+        scaler to check). Returns (fp16 overflow, norm)."""
+        if self.optimizer.prepare_grads():
+            return True, math.nan
+        return False, float(self.optimizer.get_grad_norm())
 
     def _clip(self, grad_norm: float) -> None:
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
@@ -307,10 +304,11 @@ class MegatronEngine:
         main weights (a DP shard of them with the distributed optimizer)."""
         weights = [p for chunk in self.chunks for p in chunk.parameters()]
         count = sum(p.numel() for p in weights)
-        optimizer = count * 4 * (3 if self.args.bf16 else 2)
+        optimizer = count * 4 * (3 if self.dtype != torch.float32 else 2)
         if self.args.use_distributed_optimizer:
             optimizer //= group_size(self.dp_group)
-        return {"params": tensor_bytes(weights), "grads": count * 4, "optimizer": optimizer}
+        grads = count * (4 if self.grads_in_fp32 else 2)
+        return {"params": tensor_bytes(weights), "grads": grads, "optimizer": optimizer}
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}
@@ -330,9 +328,7 @@ class MegatronEngine:
                     if self._dp_rank() == 0:
                         os.makedirs(os.path.dirname(path), exist_ok=True)
                     self.optimizer.save_parameter_state(path)  # gathered onto data-parallel rank 0
-            state["opt_param_scheduler"] = self.scheduler.state_dict()
-            if self.scaler:
-                state["grad_scaler"] = self.scaler.state_dict()
+            state["opt_param_scheduler"] = self.scheduler.state_dict()  # the loss scaler is in the optimizer's
         return state
 
     def _adam_params(self) -> list[tuple[torch.optim.Optimizer, list[torch.Tensor]]]:
@@ -378,6 +374,9 @@ class MegatronEngine:
             with cpu_compat.device_mode():
                 self.optimizer.reload_model_params()
             return
+        if "grad_scaler" in state:
+            raise CheckpointError(f"{directory} was saved by an earlier --fp16 of this engine (autocast over fp32 "
+                                  "weights); load its weights with --no-load-optim")  # fmt: skip
         optimizer = state["optimizer"]
         distributed = isinstance(optimizer, dict) and "distributed" in optimizer
         if distributed != bool(self.args.use_distributed_optimizer):
@@ -396,5 +395,3 @@ class MegatronEngine:
             else:
                 self.optimizer.load_state_dict(optimizer)
         self.scheduler.load_state_dict(state["opt_param_scheduler"])
-        if self.scaler and "grad_scaler" in state:
-            self.scaler.load_state_dict(state["grad_scaler"])

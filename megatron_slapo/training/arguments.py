@@ -115,6 +115,11 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    g.add_argument(
+        "--accumulate-allreduce-grads-in-fp32",
+        action="store_true",
+        help="--fp16 on --engine megatron: fp32 gradient buffers (always so with --bf16, as Megatron)",
+    )
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     g.add_argument("--loss-scale", type=float, help="static fp16 loss scale (default: dynamic)")
     g.add_argument("--loss-scale-window", type=int, default=1000, help="clean steps before the dynamic scale doubles")

@@ -1,63 +1,42 @@
-"""fp16 loss scaling with Megatron's semantics, decided from the model-wide overflow check.
+"""fp16 loss scaling: megatron-core's ``DynamicGradScaler`` / ``ConstantGradScaler`` from Megatron's flags.
 
-The scale multiplies the loss before backward so small fp16 activation gradients do not flush to
-zero; gradients are unscaled before clipping. Whether a step overflowed is decided from the global
-gradient norm (all-reduced over the tensor-parallel group), so every rank of a model skips the same
-steps and keeps the same scale. Written here because megatron-core's scalers allocate on CUDA and
-torch's ``GradScaler`` decides overflow per rank.
+The megatron engine hands the flags to megatron-core's optimizer, which builds the same scaler
+itself. The engines that step their own optimizer (DDP, FSDP2) take it from here and decide
+``found_inf`` from the model-wide gradient norm, so every rank of a model skips the same steps and
+keeps the same scale. The scalers keep the scale as a one-element tensor on the device (they
+allocate on "cuda"; :func:`cpu_compat.device_mode` maps that onto the CPU when there is no GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+import torch
+
+from megatron_slapo.parallel import cpu_compat
 
 
-class LossScaler:
-    """Dynamic (Megatron's DynamicGradScaler) or, with ``static=True``, constant loss scale."""
-
-    def __init__(self, initial_scale: float, static: bool = False, min_scale: float = 1.0,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 1000,
-                 hysteresis: int = 2) -> None:  # fmt: skip
-        self.scale, self.static, self.min_scale = float(initial_scale), static, min_scale
-        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
-        self.growth_interval, self.hysteresis = growth_interval, hysteresis
-        self._growth_tracker, self._hysteresis_tracker = 0, hysteresis
-
-    def update(self, found_inf: bool) -> None:
-        """After a step: back off on overflow (after ``hysteresis`` of them), grow after a clean run."""
-        if self.static:
-            return
-        if found_inf:
-            self._growth_tracker = 0
-            self._hysteresis_tracker -= 1
-            if self._hysteresis_tracker <= 0:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-        else:
-            self._growth_tracker += 1
-            if self._growth_tracker == self.growth_interval:
-                self._growth_tracker, self._hysteresis_tracker = 0, self.hysteresis
-                self.scale *= self.growth_factor
-
-    def state_dict(self) -> dict:
-        return {
-            "scale": self.scale,
-            "growth_tracker": self._growth_tracker,
-            "hysteresis_tracker": self._hysteresis_tracker,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scale = state["scale"]
-        self._growth_tracker, self._hysteresis_tracker = state["growth_tracker"], state["hysteresis_tracker"]
-
-
-def loss_scaler_for(args: argparse.Namespace) -> LossScaler | None:
+def loss_scaler_for(args: argparse.Namespace) -> Any | None:
     """The scaler Megatron's flags ask for: ``--loss-scale`` fixes it, else dynamic from
     ``--initial-loss-scale``, doubling after ``--loss-scale-window`` clean steps, halving after
     ``--hysteresis`` overflows, never below ``--min-loss-scale``; None without ``--fp16`` (bf16 and
     fp32 need none)."""
+    from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
     if not args.fp16:
         return None
-    if args.loss_scale is not None:
-        return LossScaler(args.loss_scale, static=True)
-    return LossScaler(args.initial_loss_scale, min_scale=args.min_loss_scale, growth_interval=args.loss_scale_window,
-                      hysteresis=args.hysteresis)  # fmt: skip
+    with cpu_compat.device_mode():
+        if args.loss_scale is not None:
+            return ConstantGradScaler(args.loss_scale)
+        return DynamicGradScaler(initial_scale=args.initial_loss_scale, min_scale=args.min_loss_scale,
+                                 growth_factor=2.0, backoff_factor=0.5, growth_interval=args.loss_scale_window,
+                                 hysteresis=args.hysteresis)  # fmt: skip
+
+
+def load_scaler_state(scaler: Any, state: dict) -> None:
+    """Restore a scaler; a checkpoint written before the scale was a tensor holds a float."""
+    if not isinstance(state.get("scale", torch.zeros(1)), torch.Tensor):
+        state = {**state, "scale": torch.tensor([float(state["scale"])])}
+    with cpu_compat.device_mode():
+        scaler.load_state_dict(state)
