@@ -3,8 +3,8 @@
 Rank ``r`` of a group of ``n`` holds rows ``[r*V/n, (r+1)*V/n)`` of the (tied) ``V x H`` table.
 The embedding looks up only the ids in its range and the partial results are summed across ranks;
 the LM head produces only its slice of the logits, and the cross-entropy is computed from those
-slices with three small all-reduces (max, target logit, sum of exponentials) instead of gathering
-``B x S x V`` logits.
+slices with two small all-reduces (the maxima; the target logits with the sums of exponentials)
+instead of gathering ``B x S x V`` logits.
 """
 
 from __future__ import annotations
@@ -41,36 +41,47 @@ def vocab_parallel_embedding(
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """megatron-core's vocabulary-parallel cross-entropy, over an explicit group, with ``ignore_index``.
+
+    The maths is megatron-core's (the steps of its ``VocabParallelCrossEntropy``), with its fused
+    variant's communication: one all-reduce of the row maxima, one of the target logits and sums
+    of exponentials together. Not its functions themselves: ``vocab_parallel_cross_entropy``
+    reduces over megatron-core's global tensor-parallel group (a schedule may be applied with
+    another), and ``fused_vocab_parallel_cross_entropy`` returns bf16 gradients whatever the
+    training dtype (fp32 parity needs fp32 ones).
+    """
+
     @staticmethod
     def forward(ctx, logits, target, group, ignore_index):
-        # logits: (N, V/n) this rank's vocabulary slice; target: (N,) global ids.
-        start, end = vocab_range(logits.size(-1), group)
+        from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as CE
+
+        # logits: (N, V/n) this rank's vocabulary slice; target: (N,) global ids. megatron-core's
+        # steps work in place on an fp32 copy: never on the caller's fp32 logits themselves.
+        logits = logits.clone() if logits.dtype == torch.float32 else logits
+        logits, logits_max = CE.calculate_logits_max(logits)
         distributed = group_size(group) > 1
-        logits_max = logits.max(dim=-1).values
         if distributed:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - logits_max.unsqueeze(-1)
-        outside = (target < start) | (target >= end)
-        local_target = (target - start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
+        start, end = vocab_range(logits.size(-1), group)
+        outside, local_target, target_logit, sum_exp, exp = CE.calculate_predicted_logits(
+            logits, target, logits_max, start, end
+        )
         if distributed:
-            dist.all_reduce(target_logit, group=group)
-            dist.all_reduce(sum_exp, group=group)
+            both = torch.cat((target_logit, sum_exp))
+            dist.all_reduce(both, group=group)
+            target_logit, sum_exp = both.chunk(2)
+        softmax, loss = CE.calculate_cross_entropy_loss(exp, target_logit, sum_exp)
         valid = target != ignore_index
-        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_target, outside, valid)
-        return loss
+        return loss.masked_fill(~valid, 0.0)
 
     @staticmethod
     def backward(ctx, grad_loss):
+        from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as CE
+
         softmax, local_target, outside, valid = ctx.saved_tensors
-        grad = softmax.clone()
-        rows = torch.arange(grad.size(0), device=grad.device)
-        grad[rows, local_target] -= (~outside).to(grad.dtype)
-        grad.mul_((grad_loss * valid.to(grad_loss.dtype)).unsqueeze(-1))
+        grad_2d, rows, update, grad = CE.prepare_gradient_calculation_operands(softmax, outside)
+        grad = CE.calculate_gradients(grad_2d, rows, local_target, update, grad, grad_loss * valid.to(grad_loss.dtype))
         return grad, None, None, None
 
 

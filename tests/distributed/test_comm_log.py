@@ -51,8 +51,8 @@ def test_tp2_bytes_per_step_equal_megatrons_count(schedule, shared_tmp, cache):
     layer forward (attention and MLP outputs) and twice backward (the gradients of the attention
     and MLP inputs: once per block, however many column-parallel projections read the input), once
     for the vocabulary-parallel embedding's output and once for the LM head input's gradient; the
-    vocabulary-parallel cross-entropy all-reduces three b·s tensors (max, sum of exponentials,
-    target logit). The optimizer step adds one all-reduce of a scalar (the gradient norm)."""
+    vocabulary-parallel cross-entropy all-reduces three b·s tensors (the maxima; the target logits
+    with the sums of exponentials, in one call). The optimizer step adds one all-reduce of a scalar (the gradient norm)."""
     task, flags = SCHEDULES[schedule]
     b, s, h, layers, micro = 4, 32, 64, 2, 2  # TINY: global batch 8 = 2 micro-batches of 4 on one DP rank
     tb = os.path.join(shared_tmp, f"tb-comm-{schedule}")
