@@ -25,7 +25,7 @@ HEADS = {"bert": "cls.predictions.decoder", "roberta": "lm_head.decoder"}
 TRANSFORMS = {"bert": ("cls.predictions.transform",), "roberta": ("lm_head.dense", "lm_head.layer_norm")}
 
 
-def plan(prefix: str, sch: Schedule) -> dict:
+def plan(prefix: str, pooler: bool = False) -> dict:
     layer = f"{prefix}.encoder.layer.*"
     return {
         f"{prefix}.embeddings.word_embeddings": VocabParallelEmbedding(),
@@ -39,11 +39,12 @@ def plan(prefix: str, sch: Schedule) -> dict:
         f"{layer}.output.dense": RowParallel(),
         # under --sequence-parallel the MLM transform runs on this rank's part of the sequence; the pooler gathers it
         **{path: SplitAlongSequence(gather_output=path == TRANSFORMS[prefix][-1]) for path in TRANSFORMS[prefix]},
-        **{path: GatherSequence() for path in present(sch, f"{prefix}.pooler")},
+        **({f"{prefix}.pooler": GatherSequence()} if pooler else {}),
         HEADS[prefix]: VocabParallelHead(causal=False),
     }
 
 
 def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
     # The model type names the base model's attribute; a traced root (pipeline) lacks HF's own field.
-    apply_plan(sch, plan_for(plan(getattr(config, "model_type", None) or sch.mod.base_model_prefix, sch), args))
+    prefix = getattr(config, "model_type", None) or sch.mod.base_model_prefix
+    apply_plan(sch, plan_for(plan(prefix, pooler=bool(present(sch, f"{prefix}.pooler"))), args))
