@@ -1,14 +1,11 @@
 """Every decoder family in schedules/ trains under megatron-core's pipeline as one plain process does.
 
-``test_engines.py`` covers GPT-2 (and BERT) in every layout; here GPT-Neo, OPT and Llama run two
-pipeline stages (megatron engine, 1F1B, fp32) and must reproduce the single-process losses to 1e-5
-over 10 steps. Llama is the case that needs ``pipeline_inputs``: its rotary embedding is called
-with the hidden states, yet its cos/sin derive from the position ids alone, so each stage
-recomputes them and only the hidden state crosses the cut. Tensor x pipeline parallelism (4 ranks)
-runs for Llama only (grouped-query attention, one key/value head per rank), to keep the suite
-short; GPT-Neo passes it too. OPT does not at 1e-5: its tensor-parallel layout alone (no pipeline)
-drifts ~5e-5 from one process from step 3 on, as Adam turns fp32 reduction-order noise in
-near-zero gradients (ReLU) into lr-sized weight changes; its pipeline layout is exact.
+``test_engines.py`` covers GPT-2 (and BERT) in every layout; here GPT-Neo, OPT and Llama run
+tensor parallelism, sequence parallelism, two pipeline stages (megatron engine, 1F1B) and
+recompute, fp32, and must reproduce the single-process losses to 1e-5 over 10 steps. Llama is the
+case that needs ``pipeline_inputs``: its rotary embedding is called with the hidden states, yet
+its cos/sin derive from the position ids alone, so each stage recomputes them and only the hidden
+state crosses the cut; its grouped-query attention keeps one key/value head per rank at TP2.
 """
 
 import os
@@ -24,14 +21,18 @@ FAMILIES = {  # two layers: one per pipeline stage
     "llama": ["--model-type", "llama", "--schedule", "llama_tp", "--num-query-groups", "2"],
 }
 PP2 = ["--engine", "megatron", "--pipeline-model-parallel-size", "2"]
+TP2 = ["--tensor-model-parallel-size", "2"]
+ALL = ("gpt_neo", "opt", "llama")
 LAYOUTS = {  # name -> (world sizes, extra flags, families)
-    "pp2": ((2,), PP2, ("gpt_neo", "opt", "llama")),
-    "tp2-pp2": ((4,), [*PP2, "--tensor-model-parallel-size", "2"], ("llama",)),
-    # sequence parallelism; OPT's TP2 drift (see above) keeps it out
-    "tp2-sp": ((2,), ["--tensor-model-parallel-size", "2", "--sequence-parallel"], ("gpt_neo", "llama")),
-    "tp2-pp2-sp": ((4,), [*PP2, "--tensor-model-parallel-size", "2", "--sequence-parallel"], ("llama",)),
-    # selective recompute reaches GPT-Neo's core through its _attn method, Llama's through HF's interface
-    "pp2-selective": ((2,), [*PP2, "--recompute-granularity", "selective"], ("gpt_neo", "llama")),
+    "tp2": ((2,), TP2, ALL),
+    "pp2": ((2,), PP2, ALL),
+    "tp2-pp2": ((4,), [*PP2, *TP2], ("llama",)),
+    "tp2-sp": ((2,), [*TP2, "--sequence-parallel"], ALL),
+    "tp2-pp2-sp": ((4,), [*PP2, *TP2, "--sequence-parallel"], ALL),
+    # selective recompute reaches GPT-Neo's core through its _attn method, the others' through HF's interface
+    "pp2-selective": ((2,), [*PP2, "--recompute-granularity", "selective"], ALL),
+    "tp2-full-uniform": ((2,), [*TP2, "--recompute-granularity", "full", "--recompute-method", "uniform"], ("llama",)),
+    "pp2-full-block": ((2,), [*PP2, "--recompute-granularity", "full", "--recompute-method", "block"], ("opt",)),
 }
 
 
