@@ -43,11 +43,6 @@ def test_megatron_names_and_derived_values():
             "--use-distributed-optimizer needs --engine megatron, not fsdp",
         ),
         (["--sequence-parallel"], 2, "--sequence-parallel .* needs --tensor-model-parallel-size > 1"),
-        (
-            ["--sequence-parallel", "--tensor-model-parallel-size", "2", "--engine", "fsdp"],
-            2,
-            "--engine fsdp cannot reduce sequence-parallel gradients",
-        ),
         (["--eval-interval", "0"], 1, "--eval-interval must be >= 1"),
         (["--min-lr", "1"], 1, "--min-lr 1.0 must not exceed --lr 0.001"),
         (["--bf16", "--fp16"], 1, "mutually exclusive"),

@@ -1,9 +1,7 @@
 """What engines refuse before any compute, rather than train wrongly or fail deep inside a library."""
 
 import pytest
-from torch import nn
 
-from megatron_slapo.engines.base import refuse_sequence_parallel
 from megatron_slapo.errors import ConfigError
 from tests.test_arguments import args_for
 
@@ -29,14 +27,6 @@ def test_deepspeed_fp16_is_refused_where_the_accelerator_has_none(monkeypatch, f
     else:
         with pytest.raises(ConfigError, match="--engine deepspeed cannot train in fp16 on"):
             _check_precision_supported(config("--fp16"))
-
-
-def test_sequence_parallel_weights_are_refused_by_engines_that_do_not_reduce_them():
-    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-    refuse_sequence_parallel(model, "fsdp")
-    model[1].weight.sequence_parallel = True
-    with pytest.raises(ConfigError, match="--engine fsdp cannot reduce sequence-parallel gradients"):
-        refuse_sequence_parallel(model, "fsdp")
 
 
 @pytest.mark.parametrize("engine", ["megatron", "ddp", "fsdp"])

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_slapo.errors import ConfigError
 from megatron_slapo.parallel.collectives import Group, group_size
 
 Batch = dict[str, torch.Tensor]
@@ -127,13 +126,6 @@ def autocast(args: argparse.Namespace, device: torch.device) -> contextlib.Abstr
     in the low precision; a no-op in fp32."""
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
     return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
-
-
-def refuse_sequence_parallel(model: nn.Module, engine: str) -> None:
-    """Engines that reduce gradients only over data-parallel ranks would leave the tensor-parallel
-    partial sums of sequence-parallel weights (norms) unreduced: refuse rather than train wrongly."""
-    if any(getattr(p, "sequence_parallel", False) for p in model.parameters()):
-        raise ConfigError(f"--engine {engine} cannot reduce sequence-parallel gradients; use --engine ddp")
 
 
 @torch.no_grad()

@@ -33,12 +33,16 @@ from megatron_slapo.engines.base import (
     accumulate,
     average_metrics,
     evaluate,
-    refuse_sequence_parallel,
     tensor_bytes,
     to_device,
 )
 from megatron_slapo.errors import CheckpointError, ConfigError
-from megatron_slapo.parallel.collectives import Group, group_rank, group_size
+from megatron_slapo.parallel.collectives import (
+    Group,
+    group_rank,
+    group_size,
+    reduce_sequence_parallel_grads_in_backward,
+)
 from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, global_norm, local_part
 
 TAG = "deepspeed"  # the sub-directory of an iteration that holds DeepSpeed's files
@@ -183,8 +187,8 @@ class DeepSpeedEngine:
         return partition
 
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
-        refuse_sequence_parallel(model, "deepspeed")
         deepspeed = _import_deepspeed()
+        reduce_sequence_parallel_grads_in_backward(model, tp_group)  # before ZeRO's own gradient hooks see them
         self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
         self.config = deepspeed_config(args, group_size(dp_group))
         _check_precision_supported(self.config)

@@ -29,21 +29,24 @@ from megatron_slapo.engines.base import (
     StepResult,
     Task,
     evaluate,
-    refuse_sequence_parallel,
     tensor_bytes,
     to_device,
 )
 from megatron_slapo.engines.local_step import LocalStep
 from megatron_slapo.errors import CheckpointError
-from megatron_slapo.parallel.collectives import Group, group_rank, group_size
+from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parallel_grads, group_rank, group_size
 from megatron_slapo.training.model import transformer_layers
 from megatron_slapo.training.optimizer import global_norm, local_part
 
 FILES = "fsdp"
 
 
-def _tensor_parallel_names(model: nn.Module) -> set[str]:
-    return {n for n, p in model.named_parameters() if getattr(p, "tensor_model_parallel", False)}
+TAGS = ("tensor_model_parallel", "sequence_parallel")
+
+
+def _parallel_tags(model: nn.Module) -> dict[str, set[str]]:
+    """tag -> the names of the parameters that carry it."""
+    return {tag: {n for n, p in model.named_parameters() if getattr(p, tag, False)} for tag in TAGS}
 
 
 class FSDPEngine:
@@ -54,10 +57,9 @@ class FSDPEngine:
                        for d in ("bf16", "fp16")}  # fmt: skip
 
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
-        refuse_sequence_parallel(model, "fsdp")
         self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
         self.device = next(model.parameters()).device
-        tensor_parallel = _tensor_parallel_names(model)  # fully_shard replaces the parameters: keep the tags
+        tags = _parallel_tags(model)  # fully_shard replaces the parameters: keep the tags
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
         # torch compares meshes by ranks and names, not by process group, and DTensor caches specs by
         # that equality: a mesh over the same ranks from an earlier initialisation (whose groups are
@@ -68,7 +70,8 @@ class FSDPEngine:
             fully_shard(model.get_submodule(path), mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         for name, p in model.named_parameters():
-            p.tensor_model_parallel = name in tensor_parallel
+            for tag in TAGS:
+                setattr(p, tag, name in tags[tag])
         self.step = LocalStep(model, args)  # after fully_shard: over the sharded parameters
         self.params, self.optimizer = self.step.params, self.step.optimizer
 
@@ -88,6 +91,7 @@ class FSDPEngine:
             return contextlib.nullcontext()
 
         totals = self.step.backward(microbatches, lambda b: task.loss(self.model, to_device(b, self.device)), sync)
+        allreduce_sequence_parallel_grads(self.model, self.tp_group)  # each rank's shard, once a step
         return self.step.finish(totals, len(microbatches), self.dp_group, lambda grads: self._norm(of_grads=grads))
 
     def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:

@@ -24,6 +24,7 @@ reduce-scatter them.
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
@@ -239,4 +240,22 @@ def allreduce_sequence_parallel_grads(module: torch.nn.Module, group: Group) -> 
     Megatron's, so megatron-core's ``finalize_model_grads`` treats these parameters the same way.
     """
     grads = [p.grad for p in module.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
-    all_reduce_flat(grads, group)
+    # A DTensor gradient (FSDP2, after its reduce-scatter over data-parallel ranks) is summed shard by
+    # shard: every tensor-parallel rank holds the same shard of a replicated weight.
+    all_reduce_flat([g.to_local() if hasattr(g, "to_local") else g for g in grads], group)
+
+
+def _summed_over(grad: torch.Tensor, group: Group) -> torch.Tensor:
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
+
+
+def reduce_sequence_parallel_grads_in_backward(module: torch.nn.Module, group: Group) -> None:
+    """Sum each ``sequence_parallel`` parameter's gradient across ``group`` as autograd computes it,
+    before it reaches ``.grad``: for engines that reduce and step inside their own backward and
+    step (DeepSpeed's ZeRO hooks), where a reduction between the two has no place. One small
+    all-reduce per parameter and micro-batch, where Megatron does one flat one per step."""
+    for p in module.parameters():
+        if getattr(p, "sequence_parallel", False):
+            p.register_hook(functools.partial(_summed_over, group=group))

@@ -285,9 +285,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         if tp == 1:
             raise ConfigError("--sequence-parallel splits what tensor parallelism replicates: it needs "
                               "--tensor-model-parallel-size > 1")  # fmt: skip
-        if args.engine in ("fsdp", "deepspeed"):
-            raise ConfigError(f"--engine {args.engine} cannot reduce sequence-parallel gradients; "
-                              "use --engine megatron or ddp")  # fmt: skip
     if args.checkpoint_ratio is not None and args.recompute_granularity:
         raise ConfigError("--checkpoint-ratio and --recompute-granularity both choose the recomputed layers: give one")
     if args.recompute_granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers != 1:

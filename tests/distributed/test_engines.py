@@ -53,6 +53,10 @@ LAYOUTS = {  # name -> (world sizes, extra flags)
     # Activation recomputation, Megatron's way (per stage) and Slapo's ratio: the same losses.
     "tp2-sp": ((2,), [*MEGATRON, *TP2, "--sequence-parallel"]),
     "tp2-sp-ddp": ((2,), ["--engine", "ddp", *TP2, "--sequence-parallel"]),
+    # DeepSpeed sums the sequence-parallel gradients in autograd hooks, FSDP2 its shards after the backward
+    "zero2-tp2-sp-dp2": ((4,), [*ZERO, "2", *TP2, "--sequence-parallel"]),
+    "zero3-tp2-sp": ((2,), [*ZERO, "3", *TP2, "--sequence-parallel"]),
+    "fsdp-tp2-sp-dp2": ((4,), ["--engine", "fsdp", *TP2, "--sequence-parallel"]),
     "tp2-pp2-sp": ((4,), [*MEGATRON, *TP2, *PP2, "--sequence-parallel"]),
     "tp2-recompute-full": ((2,), [*TP2, *FULL]),
     "tp2-recompute-selective": ((2,), [*TP2, "--recompute-granularity", "selective"]),
