@@ -75,18 +75,23 @@ def test_each_ranks_heads_draw_their_own_masks(group, monkeypatch):
     assert torch.equal(attentions[0], attentions[1])  # what the fork is for: copies otherwise
 
 
-@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
-def test_recomputing_the_core_replays_its_dropout(group, implementation):
+def _assert_same_loss_and_grads(plain: torch.nn.Module, recomputing: torch.nn.Module) -> None:
+    """One training step of each from the same RNG state: bit for bit the same loss and gradients."""
     results = []
-    for recompute in (False, True):
-        model = _model(group, gpt_tp.PLAN, core_checkpoint=recompute, implementation=implementation)
+    for model in (plain, recomputing):
         use_layout(2)
         ids = torch.arange(24).reshape(2, 12)
         loss = model(ids, labels=ids).loss
         loss.backward()
         results.append([loss.detach(), *(p.grad for p in model.parameters())])
-    for plain, recomputed in zip(*results, strict=True):
-        assert torch.equal(plain, recomputed)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_recomputing_the_core_replays_its_dropout(group, implementation):
+    _assert_same_loss_and_grads(*(_model(group, gpt_tp.PLAN, core_checkpoint=recompute, implementation=implementation)
+                                  for recompute in (False, True)))  # fmt: skip
 
 
 def test_attention_core_needs_a_module_that_calls_the_attention_function(group):
@@ -127,13 +132,4 @@ def test_sequence_parallel_layers_draw_their_own_masks_and_replay_them(group, mo
     _, residual = _dropout_masks(_sequence_parallel_model(group, recompute=None), monkeypatch)
     residuals = _gathered(residual.byte())
     assert residual.shape[1] == 6 and not torch.equal(residuals[0], residuals[1])
-    results = []
-    for recompute in (None, granularity):
-        model = _sequence_parallel_model(group, recompute)
-        use_layout(2)
-        ids = torch.arange(24).reshape(2, 12)
-        loss = model(ids, labels=ids).loss
-        loss.backward()
-        results.append([loss.detach(), *(p.grad for p in model.parameters())])
-    for plain, recomputed in zip(*results, strict=True):
-        assert torch.equal(plain, recomputed)
+    _assert_same_loss_and_grads(_sequence_parallel_model(group, None), _sequence_parallel_model(group, granularity))
