@@ -43,6 +43,11 @@ def test_megatron_names_and_derived_values():
             "--use-distributed-optimizer needs --engine megatron, not fsdp",
         ),
         (["--sequence-parallel"], 2, "--sequence-parallel .* needs --tensor-model-parallel-size > 1"),
+        (
+            ["--accumulate-allreduce-grads-in-fp32", "--engine", "ddp"],
+            1,
+            "--accumulate-allreduce-grads-in-fp32 needs --engine megatron, not ddp",
+        ),
         (["--eval-interval", "0"], 1, "--eval-interval must be >= 1"),
         (["--min-lr", "1"], 1, "--min-lr 1.0 must not exceed --lr 0.001"),
         (["--bf16", "--fp16"], 1, "mutually exclusive"),

@@ -345,3 +345,24 @@ def test_rng_tracker_refuses_a_duplicate_stream_name_or_seed():
     finally:
         get_rng_tracker().set_states(saved)
         torch.set_rng_state(generator)
+
+
+def test_a_fork_inside_a_fork_keeps_drawing_and_a_reset_inside_one_stands():
+    tracker = RNGStatesTracker()
+    tracker.add("mp", 7)
+    generator = torch.get_rng_state()
+    try:
+        with tracker.fork("mp"):
+            outer = torch.rand(3)
+            with tracker.fork("mp"):  # swapping the stored state in again would replay `outer`
+                inner = torch.rand(3)
+        assert not torch.equal(outer, inner)
+        with tracker.fork("mp"):
+            tracker.reset()  # e.g. seed() inside a fork: the fork must not write the old stream back
+        assert not tracker.is_seeded("mp")
+        tracker.add("mp", 7)
+        with tracker.fork("mp"):
+            again = torch.rand(6)
+        assert torch.equal(again, torch.cat([outer, inner]))  # one stream, drawn in order
+    finally:
+        torch.set_rng_state(generator)

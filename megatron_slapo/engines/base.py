@@ -62,10 +62,15 @@ class StepResult:
 
     @property
     def diverging(self) -> bool:
-        """A skipped step that loss scaling does not explain: non-finite gradients without an fp16
-        overflow, or a non-finite loss (whose gradients are never finite: a step that was taken
-        had a finite loss, so only skipped steps need reading)."""
-        return self.skipped and (not self.overflow or not self.loss_finite)
+        """Non-finite numbers that loss scaling does not explain: a skipped step without an fp16
+        overflow, or with a non-finite loss; a step taken on a non-finite gradient norm (an
+        optimizer that steps regardless, as DeepSpeed's without ZeRO); and, where the engine has
+        no norm to tell by, a non-finite loss. The loss is read (a device sync) only then."""
+        if self.skipped:
+            return not self.overflow or not self.loss_finite
+        if self.grad_norm is None:
+            return not self.loss_finite
+        return not math.isfinite(self.grad_norm)
 
 
 class Engine(Protocol):

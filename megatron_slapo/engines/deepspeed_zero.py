@@ -235,7 +235,7 @@ class DeepSpeedEngine:
             accumulate(totals, metrics)
         applied = self.ds.was_step_applied()
         norm = self.ds.get_global_grad_norm()
-        norm = float(norm) if norm is not None else math.nan
+        norm = float(norm) if norm is not None else None  # None: no norm to tell a NaN step by
         if applied:
             self.scheduler.step(increment=self.args.global_batch_size)
         return StepResult(

@@ -43,10 +43,11 @@ class LocalStep:
         summed metrics."""
         totals: dict[str, torch.Tensor] = {}
         n = len(microbatches)
+        scale = self.loss_scale / n  # read once a step
         for i, batch in enumerate(microbatches):
             with sync(i == n - 1):
                 loss, metrics = loss_of(batch)
-                (loss * (self.loss_scale / n)).backward()
+                (loss * scale).backward()
             accumulate(totals, metrics)
         return totals
 
@@ -70,7 +71,7 @@ class LocalStep:
         return StepResult(
             metrics=average_metrics(totals, count, dp_group),
             grad_norm=grad_norm if finite else None,
-            loss_scale=scale,
+            loss_scale=self.loss_scale,  # after its update, as Megatron logs it
             skipped=not finite,
             overflow=not finite and self.scaler is not None,
             learning_rate=self.optimizer.param_groups[0]["lr"],

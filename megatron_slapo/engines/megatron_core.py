@@ -165,7 +165,9 @@ class MegatronEngine:
             optimizer="adam", lr=a.lr, min_lr=a.min_lr, weight_decay=a.weight_decay, adam_beta1=a.adam_beta1,
             adam_beta2=a.adam_beta2, adam_eps=a.adam_eps, clip_grad=a.clip_grad, bf16=a.bf16, fp16=a.fp16,
             params_dtype=self.dtype, use_distributed_optimizer=a.use_distributed_optimizer,
-            loss_scale=a.loss_scale, initial_loss_scale=a.initial_loss_scale, min_loss_scale=a.min_loss_scale,
+            # megatron-core would build a constant scaler for bf16/fp32 too, which only fp16 scales the loss for
+            loss_scale=a.loss_scale if a.fp16 else None, initial_loss_scale=a.initial_loss_scale,
+            min_loss_scale=a.min_loss_scale,
             loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
         )  # fmt: skip
         return get_megatron_optimizer(config, self.ddp)
@@ -374,10 +376,10 @@ class MegatronEngine:
             with cpu_compat.device_mode():
                 self.optimizer.reload_model_params()
             return
-        if "grad_scaler" in state:
+        if "grad_scaler" in state and self.args.fp16:  # its fp32 optimizer state still fits fp32 runs
             raise CheckpointError(f"{directory} was saved by an earlier --fp16 of this engine (autocast over fp32 "
                                   "weights); load its weights with --no-load-optim")  # fmt: skip
-        optimizer = state["optimizer"]
+        optimizer = _without_constant_scaler(state["optimizer"])
         distributed = isinstance(optimizer, dict) and "distributed" in optimizer
         if distributed != bool(self.args.use_distributed_optimizer):
             raise CheckpointError(
@@ -395,3 +397,15 @@ class MegatronEngine:
             else:
                 self.optimizer.load_state_dict(optimizer)
         self.scheduler.load_state_dict(state["opt_param_scheduler"])
+
+
+def _without_constant_scaler(state: Any) -> Any:
+    """An optimizer state saved with ``--loss-scale`` holds the constant scaler's empty state, which a
+    dynamic scaler cannot load: leave it out, so that the dynamic scale starts from its flags. (The
+    state of megatron-core's chained optimizer is a list of states; the distributed one's is nested.)"""
+    if isinstance(state, list):
+        return [_without_constant_scaler(s) for s in state]
+    if not isinstance(state, dict):
+        return state
+    return {k: _without_constant_scaler(v) if k == "distributed" else v for k, v in state.items()
+            if not (k == "grad_scaler" and v == {})}  # fmt: skip

@@ -257,5 +257,5 @@ def reduce_sequence_parallel_grads_in_backward(module: torch.nn.Module, group: G
     step (DeepSpeed's ZeRO hooks), where a reduction between the two has no place. One small
     all-reduce per parameter and micro-batch, where Megatron does one flat one per step."""
     for p in module.parameters():
-        if getattr(p, "sequence_parallel", False):
-            p.register_hook(functools.partial(_summed_over, group=group))
+        if getattr(p, "sequence_parallel", False) and p.requires_grad and not hasattr(p, "sequence_parallel_hook"):
+            p.sequence_parallel_hook = p.register_hook(functools.partial(_summed_over, group=group))  # once

@@ -131,6 +131,8 @@ class VocabParallelEmbedding:
         sch.shard("weight", axis=0)
         if self.positions or not self.sequence_parallel:
             sch.sync("fwd_post", "all_reduce")
+        else:
+            sch.metadata.sequence_split = "partial lookup"
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ it behaves the same on a CPU-only machine and on GPUs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -37,6 +38,15 @@ def _set_state(state: torch.Tensor) -> None:
         torch.set_rng_state(state)
 
 
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """What :meth:`RNGStatesTracker.replay` restores."""
+
+    states: dict[str, torch.Tensor]
+    active: frozenset[str]
+    live: torch.Tensor | None  # the generator's state, when a stream was forked
+
+
 class RNGStatesTracker:
     """Holds named generator states and swaps one in for the duration of :meth:`fork`."""
 
@@ -44,11 +54,13 @@ class RNGStatesTracker:
         self._states: dict[str, torch.Tensor] = {}
         self._seeds: set[int] = set()
         self._active: set[str] = set()  # streams forked now
+        self._generation = 0  # bumped by reset(): a fork open across it must not write its stream back
 
     def reset(self) -> None:
         self._states = {}
         self._seeds = set()
         self._active = set()
+        self._generation += 1
 
     def is_seeded(self, name: str = MODEL_PARALLEL_RNG) -> bool:
         return name in self._states
@@ -78,23 +90,29 @@ class RNGStatesTracker:
     def set_states(self, states: dict[str, torch.Tensor]) -> None:
         self._states = {k: v.clone() for k, v in states.items()}
 
-    def snapshot(self) -> tuple[dict[str, torch.Tensor], frozenset[str]]:
-        """The streams and which of them are forked now: what a recompute must replay."""
-        return self.get_states(), frozenset(self._active)
+    def snapshot(self) -> Snapshot:
+        """The streams, which of them are forked now and, if any is, the generator's state (that
+        stream's live state): what a recompute must replay."""
+        return Snapshot(self.get_states(), frozenset(self._active), _get_state() if self._active else None)
 
     @contextlib.contextmanager
-    def replay(self, snapshot: tuple[dict[str, torch.Tensor], frozenset[str]]) -> Iterator[None]:
+    def replay(self, snapshot: Snapshot) -> Iterator[None]:
         """Run the body with the streams of ``snapshot``. A stream that was forked then is forked
-        again: its live state is the default generator's, which activation checkpointing restores."""
-        states, active = snapshot
+        again, its live state in the generator. (torch's checkpoint restores the CPU generator, but
+        a CUDA one only for devices of positional tensor arguments: set it here either way.)"""
         current, current_active = self.get_states(), self._active
-        self.set_states(states)
-        self._active = set(active)
+        generator = _get_state() if snapshot.live is not None else None
+        self.set_states(snapshot.states)
+        self._active = set(snapshot.active)
+        if snapshot.live is not None:
+            _set_state(snapshot.live)
         try:
             yield
         finally:
             self.set_states(current)
             self._active = current_active
+            if generator is not None:
+                _set_state(generator)
 
     @contextlib.contextmanager
     def fork(self, name: str = MODEL_PARALLEL_RNG) -> Iterator[None]:
@@ -112,15 +130,16 @@ class RNGStatesTracker:
         if name in self._active:
             yield
             return
-        saved = _get_state()
+        saved, generation = _get_state(), self._generation
         _set_state(self._states[name])
         self._active.add(name)
         try:
             yield
         finally:
-            self._active.discard(name)
-            self._states[name] = _get_state()
-            _set_state(saved)
+            if self._generation == generation:  # else reseeded inside: the new streams and seed stand
+                self._active.discard(name)
+                self._states[name] = _get_state()
+                _set_state(saved)
 
 
 _TRACKER = RNGStatesTracker()

@@ -38,6 +38,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from transformers import PreTrainedModel
+
 from megatron_slapo.errors import SchedulingError
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
@@ -46,12 +48,14 @@ from megatron_slapo.parallel.plans import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from megatron_slapo.primitives.placement import Role
 
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
 
 SEQUENCE_DIM = 1
+# HF model classes whose last hidden state feeds only the (vocabulary-parallel) LM head (and BERT's
+# pooler, which gathers for itself): the gathered output's gradient may be reduce-scattered.
+_HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForPreTraining")
 
 
 def _tag_split_parameters(sch: Schedule) -> None:
@@ -80,6 +84,7 @@ class SplitAlongSequence:
             _tag_split_parameters(sch)
             if self.gather_output:
                 sch.sync("fwd_post", "all_gather", axis=SEQUENCE_DIM, backward="reduce_scatter")
+                sch.metadata.sequence_split = "gathers"
 
 
 @dataclass(frozen=True)
@@ -127,18 +132,19 @@ def present(sch: Schedule, *paths: str) -> list[str]:
 def split_layers(sch: Schedule, layers: list[str]) -> None:
     """Split the activations along the sequence from the first layer's input on (see the module
     docstring for where the split ends), and tag the layers' parameters that see part of it."""
-    unreduced = [path for path, node in sch.named_schedules()
-                 if node.metadata.role is Role.VOCAB and not any(mode == "fwd_post" for mode, _ in node.metadata.syncs)]  # fmt: skip
-    if unreduced:  # VocabParallelEmbedding(positions=False): the lookup is a partial sum until here
-        sch[layers[0]].sync("fwd_pre", "reduce_scatter", axis=SEQUENCE_DIM)
-    else:
-        sch[layers[0]].sync("fwd_pre", "scatter", axis=SEQUENCE_DIM)
-    inside = tuple(layer + "." for layer in layers)
-    if not any(("fwd_post", "all_gather") in node.metadata.syncs and not path.startswith(inside)
-               for path, node in sch.named_schedules()):  # fmt: skip
+    model = type(sch.mod).__name__
+    if isinstance(sch.mod, PreTrainedModel) and not model.endswith(_HEADS):
+        raise SchedulingError(f"--sequence-parallel gathers the sequence for the LM head only; {model} has other "
+                              f"consumers of the last hidden state (use a model ending in {', '.join(_HEADS)})")  # fmt: skip
+    splits = {node.metadata.sequence_split for _, node in sch.named_schedules()}
+    if "gathers" not in splits:
         raise SchedulingError("--sequence-parallel: nothing after the layers gathers the sequence for the LM head; "
                               "give the final norm SplitAlongSequence(gather_output=True) and apply the plan with "
                               "plan_for(plan, args)")  # fmt: skip
+    if "partial lookup" in splits:  # VocabParallelEmbedding(positions=False): a partial sum until here
+        sch[layers[0]].sync("fwd_pre", "reduce_scatter", axis=SEQUENCE_DIM)
+    else:
+        sch[layers[0]].sync("fwd_pre", "scatter", axis=SEQUENCE_DIM)
     for layer in layers:
         _tag_split_parameters(sch[layer])
         if not sch[layer].metadata.forked_rng:  # dropout on this rank's part of the sequence: masks of its own

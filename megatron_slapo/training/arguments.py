@@ -276,7 +276,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.engine != "megatron":
         if pp > 1 or args.num_layers_per_virtual_pipeline_stage:
             raise ConfigError(f"pipeline parallelism needs --engine megatron; --engine {args.engine} has none")
-        for name in ("use_distributed_optimizer", "overlap_grad_reduce"):
+        for name in ("use_distributed_optimizer", "overlap_grad_reduce", "accumulate_allreduce_grads_in_fp32"):
             if getattr(args, name):
                 raise ConfigError(f"--{name.replace('_', '-')} needs --engine megatron, not {args.engine}")
     if args.num_layers_per_virtual_pipeline_stage and pp == 1:

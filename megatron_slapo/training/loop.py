@@ -147,18 +147,18 @@ def setup(args: argparse.Namespace) -> Run:
     if stages > 1:
         trace_for_pipeline(sch, task, args, layers)
     schedule.apply(sch, config, args)
-    if args.sequence_parallel:
-        sequence.split_layers(sch, layers)
-    if recomputing:
-        print_rank_0(recompute.apply(sch, args, layers, stages))
-    for k in range(1, stages):
-        sch[layers[k * len(layers) // stages]].cut_pipeline_stage()
     shards = any(node.metadata.shards for _, node in sch.named_schedules())
     if layout.tp_size > 1 and not shards:
         raise ConfigError(
             f"--schedule {args.schedule} shards nothing, but --tensor-model-parallel-size is {layout.tp_size}; "
             "use a tensor-parallel schedule (see --schedule list)"
         )
+    if args.sequence_parallel:
+        sequence.split_layers(sch, layers)
+    if recomputing:
+        print_rank_0(recompute.apply(sch, args, layers, stages))
+    for k in range(1, stages):
+        sch[layers[k * len(layers) // stages]].cut_pipeline_stage()
     if layout.tp_size == 1 and shards and world > 1:
         ranks = f"{args.data_parallel_size} data-parallel" + (
             f" x {layout.pp_size} pipeline" if layout.pp_size > 1 else ""

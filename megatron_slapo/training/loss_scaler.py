@@ -35,8 +35,11 @@ def loss_scaler_for(args: argparse.Namespace) -> Any | None:
 
 
 def load_scaler_state(scaler: Any, state: dict) -> None:
-    """Restore a scaler; a checkpoint written before the scale was a tensor holds a float."""
-    if not isinstance(state.get("scale", torch.zeros(1)), torch.Tensor):
+    """Restore a scaler. A constant scaler saved nothing (a dynamic one then starts from its flags);
+    a checkpoint written before the scale was a tensor holds a float."""
+    if "scale" not in state:
+        return
+    if not isinstance(state["scale"], torch.Tensor):
         state = {**state, "scale": torch.tensor([float(state["scale"])])}
     with cpu_compat.device_mode():
         scaler.load_state_dict(state)

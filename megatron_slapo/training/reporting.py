@@ -92,7 +92,7 @@ class Reporter:
         self.skipped += int(result.skipped)
         for key, value in (result.comm or {}).items():
             self.comm[key] = self.comm.get(key, 0) + value
-        if result.skipped:  # Megatron reads the loss of a skipped step only, to count NaNs
+        if result.skipped or result.diverging:  # Megatron reads the loss of such a step only, to count NaNs
             self.nans += int(not result.loss_finite)
         else:  # and averages the losses of the steps taken
             self.counted += 1

@@ -77,3 +77,13 @@ def test_fp16_loss_scale_follows_megatrons_flags(shared_tmp, cache, flags, scale
     tags = last_rank_value(lambda: tb_tags(tb))
     assert reported == {i + 1: float(s) for i, s in enumerate(scales)}, reported
     assert ("grad-norm" in tags) == (scales[0] != 2**32)  # skipped steps log no gradient norm
+
+
+@pytest.mark.parametrize("engine", ["megatron", "ddp"])
+def test_a_constant_loss_scale_run_resumes_with_a_dynamic_scale(shared_tmp, cache, engine):
+    """--loss-scale saves no scaler state; resuming without it starts the dynamic scale from its flags."""
+    ck, tb = os.path.join(shared_tmp, f"ck-fp16-static-{engine}"), os.path.join(shared_tmp, f"tb-fp16-resume-{engine}")
+    argv = [*PARITY, *TP2, "--engine", engine, "--fp16", "--save", ck, "--data-cache-path", cache]
+    train_losses("gpt", [*argv, "--train-iters", "2", "--loss-scale", "512"], tb + "-a")
+    train_losses("gpt", [*argv, "--train-iters", "3", "--load", ck, "--initial-loss-scale", "1024"], tb)
+    assert last_rank_value(lambda: tb_scalars(tb, "loss-scale")) == {3: 1024.0}

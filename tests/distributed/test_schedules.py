@@ -70,3 +70,16 @@ def test_sequence_parallel_needs_a_gather_before_the_head(group):
     apply_plan(sch, plan_for(plan, argparse.Namespace(sequence_parallel=True)))
     with pytest.raises(SchedulingError, match="nothing after the layers gathers the sequence"):
         split_layers(sch, transformer_layers(model, model.config.num_hidden_layers))
+
+
+def test_sequence_parallel_refuses_models_with_other_heads_on_the_last_hidden_state(group):
+    """GPT2DoubleHeadsModel's multiple-choice head reads what the final norm gathers for the LM head:
+    its gradient would be reduce-scattered (summed over the ranks) with the head's."""
+    from megatron_slapo.errors import SchedulingError
+
+    with torch.device("meta"):
+        model = transformers.GPT2DoubleHeadsModel(tiny_gpt2_config())
+    sch = ms.create_schedule(model, group)
+    SCHEDULES["gpt_tp"].apply(sch, model.config, argparse.Namespace(sequence_parallel=True))
+    with pytest.raises(SchedulingError, match="GPT2DoubleHeadsModel has other consumers of the last hidden state"):
+        split_layers(sch, transformer_layers(model, model.config.num_hidden_layers))

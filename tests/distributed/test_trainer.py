@@ -265,8 +265,11 @@ def test_bad_input_is_one_error_line_before_training(argv, message, shared_tmp, 
         assert err == []
 
 
-def test_a_diverging_run_stops_with_a_clear_message(cache, rank, capsys):
-    argv = [*TINY, "--train-iters", "20", "--eval-iters", "0", "--init-method-std", "1e30", "--data-cache-path", cache]
+@pytest.mark.parametrize("engine", [[], ["--engine", "deepspeed", "--zero-stage", "0"]], ids=["megatron", "zero0"])
+def test_a_diverging_run_stops_with_a_clear_message(cache, rank, capsys, engine):
+    """Also where the optimizer steps on NaN gradients regardless and reports no norm (ZeRO-0)."""
+    argv = [*TINY, *engine, "--train-iters", "20", "--eval-iters", "0", "--init-method-std", "1e30",
+            "--data-cache-path", cache]  # fmt: skip
     with pytest.raises(SystemExit) as exit_info:
         pretrain("gpt", [*argv, "--max-consecutive-nan-iterations", "3"])
     assert exit_info.value.code == 1
