@@ -48,6 +48,7 @@ def test_megatron_names_and_derived_values():
             1,
             "--accumulate-allreduce-grads-in-fp32 needs --engine megatron, not ddp",
         ),
+        (["--grad-reduce-in-bf16"], 1, "--grad-reduce-in-bf16 needs --bf16"),
         (["--eval-interval", "0"], 1, "--eval-interval must be >= 1"),
         (["--min-lr", "1"], 1, "--min-lr 1.0 must not exceed --lr 0.001"),
         (["--bf16", "--fp16"], 1, "mutually exclusive"),

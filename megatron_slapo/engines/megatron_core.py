@@ -18,8 +18,9 @@ with the norm over all model-parallel ranks (each tied weight counted once) and,
 
 Precision is Megatron-LM's: with ``--bf16`` or ``--fp16`` the stages' weights are in that dtype,
 megatron-core's mixed-precision optimizer keeps fp32 main weights (and steps them), and pipeline
-messages travel in that dtype. Gradients accumulate and reduce in fp32 buffers with bf16; with
-fp16 in fp16 buffers unless ``--accumulate-allreduce-grads-in-fp32``. fp16 scales the loss with
+messages travel in that dtype. Gradients accumulate and reduce in fp32 buffers with bf16 (bf16 ones
+with ``--grad-reduce-in-bf16``); with fp16 in fp16 buffers unless
+``--accumulate-allreduce-grads-in-fp32``. fp16 scales the loss with
 megatron-core's ``DynamicGradScaler`` (or ``ConstantGradScaler`` for ``--loss-scale``), which
 unscales the gradients, checks them for inf/NaN over the model-parallel ranks and skips the step.
 """
@@ -65,7 +66,7 @@ class MegatronEngine:
     # What --bf16/--fp16 mean here (printed at start: the engines differ)
     MIXED_PRECISION = {
         "bf16": "bf16 weights with fp32 main copies in megatron-core's optimizer; gradients accumulated and "
-        "reduced in fp32; pipeline messages in bf16",
+        "reduced in fp32 (bf16 with --grad-reduce-in-bf16); pipeline messages in bf16",
         "fp16": "fp16 weights with fp32 main copies in megatron-core's optimizer and its loss scaler; gradients "
         "accumulated and reduced in fp16 (fp32 with --accumulate-allreduce-grads-in-fp32); pipeline messages in fp16",
     }
@@ -83,7 +84,7 @@ class MegatronEngine:
         self.device = next(stages[0][1].parameters()).device
         # weights and pipeline messages
         self.dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-        self.grads_in_fp32 = not args.fp16 or args.accumulate_allreduce_grads_in_fp32
+        self.grads_in_fp32 = (args.accumulate_allreduce_grads_in_fp32 or not args.fp16) and not args.grad_reduce_in_bf16
         with cpu_compat.device_mode():
             self.config = self._transformer_config(total)
             self.chunks = [StageChunk(stage, k == 0, k == total - 1, self.config) for k, stage in stages]

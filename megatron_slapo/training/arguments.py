@@ -118,7 +118,12 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--accumulate-allreduce-grads-in-fp32",
         action="store_true",
-        help="--fp16 on --engine megatron: fp32 gradient buffers (always so with --bf16, as Megatron)",
+        help="--fp16 on --engine megatron: fp32 gradient buffers (the default with --bf16, as Megatron)",
+    )
+    g.add_argument(
+        "--grad-reduce-in-bf16",
+        action="store_true",
+        help="--bf16 on --engine megatron: accumulate and reduce gradients in bf16 (half the bytes)",
     )
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     g.add_argument("--loss-scale", type=float, help="static fp16 loss scale (default: dynamic)")
@@ -276,7 +281,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.engine != "megatron":
         if pp > 1 or args.num_layers_per_virtual_pipeline_stage:
             raise ConfigError(f"pipeline parallelism needs --engine megatron; --engine {args.engine} has none")
-        for name in ("use_distributed_optimizer", "overlap_grad_reduce", "accumulate_allreduce_grads_in_fp32"):
+        for name in (
+            "use_distributed_optimizer",
+            "overlap_grad_reduce",
+            "accumulate_allreduce_grads_in_fp32",
+            "grad_reduce_in_bf16",
+        ):
             if getattr(args, name):
                 raise ConfigError(f"--{name.replace('_', '-')} needs --engine megatron, not {args.engine}")
     if args.num_layers_per_virtual_pipeline_stage and pp == 1:
@@ -313,6 +323,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(f"{flag(args, 'min_lr')} must not exceed {flag(args, 'lr')}")
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are mutually exclusive")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ConfigError("--grad-reduce-in-bf16 needs --bf16")
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
         raise ConfigError("give --lr-warmup-fraction or --lr-warmup-iters, not both")
     if args.save_interval and not args.save:

@@ -16,6 +16,7 @@ from tests.utils import tb_scalars, tb_tags
 RUN = [*PARITY, *TP2, "--engine", "megatron", "--lr-warmup-fraction", "0"]
 PRECISIONS = {  # flags -> (weights, gradient buffers)
     "bf16": (["--bf16"], torch.bfloat16, torch.float32),
+    "bf16-bf16-grads": (["--bf16", "--grad-reduce-in-bf16"], torch.bfloat16, torch.bfloat16),
     "fp16": (["--fp16"], torch.float16, torch.float16),
     "fp16-fp32-grads": (["--fp16", "--accumulate-allreduce-grads-in-fp32"], torch.float16, torch.float32),
 }
