@@ -32,12 +32,16 @@ def fitting(model_type: str) -> list[str]:
     return [name for name, mod in SCHEDULES.items() if mod.MODEL_TYPES is None or model_type in mod.MODEL_TYPES]
 
 
+def _listed(names: tuple[str, ...]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def check_fits(name: str, model_type: str) -> None:
     """ConfigError (before any model is built) when schedule ``name`` is written for other model types."""
     types = get_schedule(name).MODEL_TYPES
     if types is not None and model_type not in types:
         raise ConfigError(
-            f"--schedule {name} is for {' and '.join(types)} models, not {model_type}; "
+            f"--schedule {name} is for {_listed(types)} models, not {model_type}; "
             f"schedules that fit {model_type}: {', '.join(fitting(model_type))}"
         )
 

@@ -27,6 +27,7 @@ from tests.distributed.runs import (
 
 TOLERANCE = 1e-5
 SCHEDULES = {"gpt": ["--schedule", "gpt_tp"], "bert": ["--schedule", "bert_tp"]}
+ALBERT = ["--model-type", "albert", "--schedule", "bert_tp"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 ZERO = ["--engine", "deepspeed", "--zero-stage"]
 MEGATRON = ["--engine", "megatron"]
@@ -67,8 +68,10 @@ LAYOUTS = {  # name -> (world sizes, extra flags)
 
 @pytest.fixture(scope="module")
 def reference(shared_tmp, cache):
-    """Single-process losses per task."""
-    return reference_losses(shared_tmp, lambda task: (task, [*MODEL, *SCHEDULES[task], "--data-cache-path", cache]))
+    """Single-process losses per task (and for ALBERT)."""
+    runs = {**SCHEDULES, "albert": ALBERT}
+    return reference_losses(shared_tmp, lambda key: ("gpt" if key == "gpt" else "bert",
+                                                     [*MODEL, *runs[key], "--data-cache-path", cache]))  # fmt: skip
 
 
 CASES = [layout_case(task, name, sizes, flags) for name, (sizes, flags) in LAYOUTS.items() for task in SCHEDULES]
@@ -80,6 +83,14 @@ def test_loss_parity_with_one_process(task, flags, reference, shared_tmp, cache,
     tb = os.path.join(shared_tmp, f"tb-parity-{request.node.callspec.id}")
     losses = train_losses(task, [*MODEL, *SCHEDULES[task], *flags, "--data-cache-path", cache], tb)
     assert_parity(losses, expected, TOLERANCE)
+
+
+def test_albert_loss_parity_at_tp2(reference, shared_tmp, cache):
+    """ALBERT's one shared layer, sharded once and run at every depth, and its factorised embedding
+    tied to the decoder: the same losses as one process."""
+    tb = os.path.join(shared_tmp, "tb-parity-albert-tp2")
+    losses = train_losses("bert", [*MODEL, *ALBERT, *TP2, "--data-cache-path", cache], tb)
+    assert_parity(losses, reference("albert"), TOLERANCE)
 
 
 def _setup(argv: list[str]):
