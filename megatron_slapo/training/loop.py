@@ -37,6 +37,7 @@ from megatron_slapo.training.checkpointing import Layout, Resume
 from megatron_slapo.training.exit_conditions import ExitConditions
 from megatron_slapo.training.flops import device_peak_tflops, flops_per_token
 from megatron_slapo.training.model import (
+    auto_class,
     build_config,
     create_model,
     pipeline_stages,
@@ -137,7 +138,7 @@ def setup(args: argparse.Namespace) -> Run:
     if isinstance(task, GPTTask):
         task.attention = model.config._attn_implementation  # the form of the 4D mask it takes
     tokens_per_iteration = args.global_batch_size * args.seq_length
-    flops = flops_per_token(model, config.num_hidden_layers, config.hidden_size, args.seq_length, config.vocab_size)
+    flops = flops_per_token(auto_class(args), config, args.seq_length)
     metadata_vocab, model_class = vocab_parameter_names(model), type(model).__name__
     sch = ms.create_schedule(model)
     stages = pipeline_stages(args, config.num_hidden_layers)

@@ -1,0 +1,34 @@
+"""FLOPs per token for TFLOP/s and MFU: counted from the model as it runs (FlopCounterMode on meta)."""
+
+import transformers
+
+from megatron_slapo.training.flops import flops_per_token
+
+S = 128
+
+
+def test_gpt_matches_megatrons_formula():
+    """Megatron: 72 b s L h^2 (1 + s/6h + V/12hL) per step, here per token (b s = 1 x s), for a GPT
+    whose FFN is 4h; the count adds what the formula leaves out (biases, norms, the softmax)."""
+    L, h, V = 4, 256, 8192
+    config = transformers.GPT2Config(n_layer=L, n_embd=h, n_head=8, vocab_size=V, n_positions=S)
+    megatron = 72 * L * h**2 * (1 + S / (6 * h) + V / (12 * h * L))
+    counted = flops_per_token(transformers.AutoModelForCausalLM, config, S)
+    assert megatron <= counted <= 1.01 * megatron, (counted, megatron)
+
+
+def test_a_layer_shared_across_depth_counts_once_per_use():
+    """ALBERT runs one layer L times: each extra depth costs the same, at least 6 FLOPs per token
+    for each of the layer's parameters (which a parameter count would see only once)."""
+
+    def count(layers: int) -> tuple[float, int]:
+        config = transformers.AlbertConfig(num_hidden_layers=layers, hidden_size=256, embedding_size=128,
+                                           num_attention_heads=8, intermediate_size=1024, vocab_size=8192,
+                                           max_position_embeddings=S)  # fmt: skip
+        model = transformers.AlbertForPreTraining(config)
+        shared = sum(p.numel() for p in model.albert.encoder.albert_layer_groups.parameters())
+        return flops_per_token(transformers.AutoModelForPreTraining, config, S), shared
+
+    (one, shared), (two, _), (four, _) = count(1), count(2), count(4)
+    assert abs((four - two) - 2 * (two - one)) < 1e-6 * four
+    assert two - one > 6 * shared
