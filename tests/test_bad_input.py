@@ -141,3 +141,13 @@ def test_convert_checkpoint_from_a_missing_hf_directory(tmp_path, capsys):
                                  "--schedule", "gpt_tp"])  # fmt: skip
     assert str(exit_.value) == (f"convert_checkpoint.py: error: --load-hf {tmp_path / 'nope'} is not a directory: "
                                 "give a directory written by save_pretrained or to-hf")  # fmt: skip
+
+
+def test_albert_recompute_of_some_depths_is_refused(tmp_path, capsys):
+    """ALBERT runs one layer at every depth: there is no module for "the first N layers"."""
+    argv = [*SIZES, *TRAIN, "--model-type", "albert", "--recompute-granularity", "full", "--recompute-method", "block",
+            "--data-cache-path", str(tmp_path)]  # fmt: skip
+    assert one_error_line("bert", argv, capsys) == (
+        "AlbertForPreTraining runs 1 shared layer(s) at all 2 depths: --recompute-method block / --checkpoint-ratio "
+        "needs a module per depth (recompute with --recompute-method uniform or --recompute-granularity selective)"
+    )

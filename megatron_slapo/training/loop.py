@@ -41,6 +41,7 @@ from megatron_slapo.training.model import (
     build_config,
     create_model,
     pipeline_stages,
+    shared_layers,
     trace_for_pipeline,
     transformer_layers,
     vocab_parameter_names,
@@ -143,8 +144,8 @@ def setup(args: argparse.Namespace) -> Run:
     sch = ms.create_schedule(model)
     stages = pipeline_stages(args, config.num_hidden_layers)
     recomputing = args.recompute_granularity is not None or args.checkpoint_ratio is not None
-    needs_layers = stages > 1 or recomputing or args.sequence_parallel  # ALBERT, say, shares one layer: none
-    layers = transformer_layers(model, config.num_hidden_layers) if needs_layers else []
+    needs_layers = stages > 1 or recomputing or args.sequence_parallel
+    layers = _layers(args, model, config.num_hidden_layers, stages) if needs_layers else []
     if stages > 1:
         trace_for_pipeline(sch, task, args, layers)
     schedule.apply(sch, config, args)
@@ -193,6 +194,25 @@ def setup(args: argparse.Namespace) -> Run:
         )
     reporter = Reporter(args, flops * tokens_per_iteration, tokens_per_iteration, device_peak_tflops(args.peak_tflops))
     return Run(args, task, engine, layout, resume, datasets, reporter, metadata, started)
+
+
+def _layers(args: argparse.Namespace, model: Any, num_layers: int, stages: int) -> list[str]:
+    """The transformer layers to cut, split or recompute. A model that runs one layer at several
+    depths (ALBERT) has no module per depth: recomputing it recomputes every use, but a pipeline
+    cut, a sequence split at the first layer, or recomputing only some depths cannot be placed."""
+    shared = shared_layers(model)
+    if not shared:
+        return transformer_layers(model, num_layers)
+    partial = args.checkpoint_ratio is not None or (
+        args.recompute_granularity == "full" and args.recompute_method == "block"
+    )
+    for wanted, flag in ((stages > 1, "--pipeline-model-parallel-size > 1"), (args.sequence_parallel,
+                         "--sequence-parallel"), (partial, "--recompute-method block / --checkpoint-ratio")):  # fmt: skip
+        if wanted:
+            raise ConfigError(f"{type(model).__name__} runs {len(shared)} shared layer(s) at all {num_layers} depths: "
+                              f"{flag} needs a module per depth (recompute with --recompute-method uniform or "
+                              "--recompute-granularity selective)")  # fmt: skip
+    return shared
 
 
 def _batches(loader) -> Iterator:

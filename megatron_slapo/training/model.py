@@ -179,6 +179,18 @@ def transformer_layers(model: nn.Module, num_layers: int) -> list[str]:
     raise ConfigError(f"cannot find the {num_layers} transformer layers of {type(model).__name__}")
 
 
+def shared_layers(model: nn.Module) -> list[str]:
+    """Paths of the layer groups a model runs at several depths each (ALBERT's ``num_hidden_groups``
+    groups for ``num_hidden_layers`` layers); empty for a model with a module per layer."""
+    groups = getattr(model.config, "num_hidden_groups", None)
+    if not groups or groups >= model.config.num_hidden_layers:
+        return []
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) == groups:
+            return [f"{path}.{i}" for i in range(groups)]
+    return []
+
+
 def vocab_parameter_names(model: nn.Module) -> list[str]:
     """Names (ties included) of the tensors with one row per vocabulary entry: embedding, LM head, its bias."""
     out = model.get_output_embeddings()

@@ -85,11 +85,13 @@ def test_loss_parity_with_one_process(task, flags, reference, shared_tmp, cache,
     assert_parity(losses, expected, TOLERANCE)
 
 
-def test_albert_loss_parity_at_tp2(reference, shared_tmp, cache):
-    """ALBERT's one shared layer, sharded once and run at every depth, and its factorised embedding
-    tied to the decoder: the same losses as one process."""
-    tb = os.path.join(shared_tmp, "tb-parity-albert-tp2")
-    losses = train_losses("bert", [*MODEL, *ALBERT, *TP2, "--data-cache-path", cache], tb)
+@pytest.mark.parametrize("recompute", [[], FULL, ["--recompute-granularity", "selective"]],
+                         ids=["tp2", "tp2-recompute-full", "tp2-recompute-selective"])  # fmt: skip
+def test_albert_loss_parity(reference, shared_tmp, cache, recompute, request):
+    """ALBERT's one shared layer, sharded once and run (and recomputed) at every depth, and its
+    factorised embedding tied to the decoder: the same losses as one process."""
+    tb = os.path.join(shared_tmp, f"tb-parity-albert-{request.node.callspec.id}")
+    losses = train_losses("bert", [*MODEL, *ALBERT, *TP2, *recompute, "--data-cache-path", cache], tb)
     assert_parity(losses, reference("albert"), TOLERANCE)
 
 
