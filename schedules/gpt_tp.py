@@ -7,8 +7,6 @@ Attention-probability dropout draws from the model-parallel RNG stream (each ran
 masks); the residual dropout, on replicated activations, from the stream all ranks share.
 """
 
-from typing import Any
-
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
     HeadParallelDropout,
@@ -16,10 +14,8 @@ from megatron_slapo.parallel.plans import (
     RowParallel,
     VocabParallelEmbedding,
     VocabParallelHead,
-    apply_plan,
 )
-from megatron_slapo.parallel.sequence import SplitAlongSequence, plan_for
-from megatron_slapo.schedule import Schedule
+from megatron_slapo.parallel.sequence import SplitAlongSequence, plan_schedule
 
 MODEL_TYPES = ("gpt2",)  # HF config.model_type values this schedule is written for
 
@@ -33,7 +29,4 @@ PLAN = {
     "transformer.ln_f": SplitAlongSequence(gather_output=True),  # under --sequence-parallel: split, then gathered
     "lm_head": VocabParallelHead(),
 }
-
-
-def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
-    apply_plan(sch, plan_for(PLAN, args))
+apply = plan_schedule(PLAN)

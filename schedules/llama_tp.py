@@ -1,7 +1,5 @@
 """Megatron-style tensor parallelism for HF Llama (LlamaForCausalLM), grouped-query attention included."""
 
-from typing import Any
-
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
     HeadParallelDropout,
@@ -9,10 +7,8 @@ from megatron_slapo.parallel.plans import (
     RowParallel,
     VocabParallelEmbedding,
     VocabParallelHead,
-    apply_plan,
 )
-from megatron_slapo.parallel.sequence import SplitAlongSequence, plan_for
-from megatron_slapo.schedule import Schedule
+from megatron_slapo.parallel.sequence import SplitAlongSequence, plan_schedule
 
 MODEL_TYPES = ("llama",)  # HF config.model_type values this schedule is written for
 
@@ -20,18 +16,12 @@ PLAN = {
     "model.embed_tokens": VocabParallelEmbedding(positions=False),  # no position embeddings: reduce-scatter under SP
     # one input-gradient all-reduce for q, k, v; each rank's heads their own dropout masks
     "model.layers.*.self_attn": (ParallelRegionInput(), HeadParallelDropout()),
-    "model.layers.*.self_attn.q_proj": ColumnParallel(reduce_input_grad=False),
-    "model.layers.*.self_attn.k_proj": ColumnParallel(reduce_input_grad=False),  # kv heads split too: TP divides them
-    "model.layers.*.self_attn.v_proj": ColumnParallel(reduce_input_grad=False),
+    "model.layers.*.self_attn.{q,k,v}_proj": ColumnParallel(reduce_input_grad=False),  # kv heads split too
     "model.layers.*.self_attn.o_proj": RowParallel(),
     "model.layers.*.mlp": ParallelRegionInput(),  # and one for gate and up
-    "model.layers.*.mlp.gate_proj": ColumnParallel(reduce_input_grad=False),
-    "model.layers.*.mlp.up_proj": ColumnParallel(reduce_input_grad=False),
+    "model.layers.*.mlp.{gate,up}_proj": ColumnParallel(reduce_input_grad=False),
     "model.layers.*.mlp.down_proj": RowParallel(),
     "model.norm": SplitAlongSequence(gather_output=True),  # under --sequence-parallel: split, then gathered
     "lm_head": VocabParallelHead(),
 }
-
-
-def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
-    apply_plan(sch, plan_for(PLAN, args))
+apply = plan_schedule(PLAN)

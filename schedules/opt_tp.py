@@ -1,7 +1,5 @@
 """Megatron-style tensor parallelism for HF OPT (OPTForCausalLM)."""
 
-from typing import Any
-
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
     HeadParallelDropout,
@@ -10,32 +8,22 @@ from megatron_slapo.parallel.plans import (
     RowParallel,
     VocabParallelEmbedding,
     VocabParallelHead,
-    apply_plan,
 )
-from megatron_slapo.parallel.sequence import SplitAlongSequence, plan_for, present
-from megatron_slapo.schedule import Schedule
+from megatron_slapo.parallel.sequence import SplitAlongSequence, plan_schedule
 
 MODEL_TYPES = ("opt",)  # HF config.model_type values this schedule is written for
 
-LAYER = "model.decoder.layers.*"
 PLAN = {
     "model.decoder.embed_tokens": VocabParallelEmbedding(),
     # OPT reshapes with self.num_heads; one input-gradient all-reduce for q, k, v
-    f"{LAYER}.self_attn": (LocalHeads("num_heads", "embed_dim"), ParallelRegionInput(), HeadParallelDropout()),
-    f"{LAYER}.self_attn.q_proj": ColumnParallel(reduce_input_grad=False),
-    f"{LAYER}.self_attn.k_proj": ColumnParallel(reduce_input_grad=False),
-    f"{LAYER}.self_attn.v_proj": ColumnParallel(reduce_input_grad=False),
-    f"{LAYER}.self_attn.out_proj": RowParallel(),
+    "model.decoder.layers.*.self_attn": (LocalHeads(), ParallelRegionInput(), HeadParallelDropout()),
+    "model.decoder.layers.*.self_attn.{q,k,v}_proj": ColumnParallel(reduce_input_grad=False),
+    "model.decoder.layers.*.self_attn.out_proj": RowParallel(),
     # OPT's MLP runs on tokens flattened to rows: under sequence parallelism its rows are split
-    f"{LAYER}.fc1": ColumnParallel(sequence_dim=0),
-    f"{LAYER}.fc2": RowParallel(sequence_dim=0),
+    "model.decoder.layers.*.fc1": ColumnParallel(sequence_dim=0),
+    "model.decoder.layers.*.fc2": RowParallel(sequence_dim=0),
+    # after the layers (OPT-350m has a project_out instead of the final norm): split, then gathered under SP
+    "model.decoder.{final_layer_norm,project_out}?": SplitAlongSequence(gather_output=True),
     "lm_head": VocabParallelHead(),
 }
-# after the layers: under --sequence-parallel split, the last one gathers (OPT-350m: project_out only)
-TAIL = ("model.decoder.final_layer_norm", "model.decoder.project_out")
-
-
-def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
-    tail = present(sch, *TAIL)
-    tail = {path: SplitAlongSequence(gather_output=path == tail[-1]) for path in tail}
-    apply_plan(sch, plan_for({**PLAN, **tail}, args))
+apply = plan_schedule(PLAN)

@@ -19,7 +19,7 @@ def test_one_error_line_under_torchrun_before_anything_starts():
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "pretrain_gpt.py: error:" in line]
     assert proc.returncode != 0
     assert lines == ["pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_neo_tp, "
-                     "opt_tp, llama_tp, bert_tp"], proc.stderr[-2000:]  # fmt: skip
+                     "opt_tp, llama_tp, bert_tp, albert_tp"], proc.stderr[-2000:]  # fmt: skip
 
 
 def test_the_error_line_survives_rank_0_failing_last(tmp_path):
@@ -38,7 +38,7 @@ def test_the_error_line_survives_rank_0_failing_last(tmp_path):
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "pretrain_gpt.py: error:" in line]
     assert proc.returncode != 0
     assert lines == ["pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_neo_tp, "
-                     "opt_tp, llama_tp, bert_tp"], proc.stderr[-2000:]  # fmt: skip
+                     "opt_tp, llama_tp, bert_tp, albert_tp"], proc.stderr[-2000:]  # fmt: skip
 
 
 def test_single_process_error_exit_code_and_no_traceback():
@@ -69,3 +69,28 @@ def test_the_benchmark_runs_every_schedule_both_ways():
     reduced = {name: (int(c[5].replace(",", "")), int(c[6].replace(",", ""))) for name, c in rows.items()}
     assert reduced["gpt_tp"][0] == reduced["gpt_tp"][1]
     assert all(before > after for name, (before, after) in reduced.items() if name != "gpt_tp"), reduced
+
+
+def test_loc_counts_schedule_lines_and_every_schedule_is_within_slapos():
+    """tools/loc.py: Slapo's Table 4 count (code lines, less docstrings, comments, imports, the
+    MODEL_TYPES declaration and closing brackets); every schedule at or under Slapo's number."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    from loc import count_lines
+
+    source = '''"""Doc."""
+import torch  # an import
+MODEL_TYPES = ("gpt2",)
+# a comment
+PLAN = {
+    "a": 1,  # one entry
+    "b": (2,
+          3),
+}
+apply = make(PLAN)
+'''
+    assert count_lines(source) == 5  # PLAN = {, "a", "b" over two lines, apply
+    proc = run(sys.executable, "tools/loc.py")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()[2:]]
+    assert {r[0].strip() for r in rows} == {"gpt_tp", "gpt_neo_tp", "opt_tp", "llama_tp", "bert_tp", "albert_tp"}
+    assert all(r[4].strip() == "yes" for r in rows), proc.stdout

@@ -178,13 +178,14 @@ class LocalHeads:
     """Divide integer attributes that count heads or features by the TP size.
 
     Some HF attention modules size their reshapes from attributes (GPT-2's ``split_size``); after
-    sharding the projections they must describe this rank's heads.
+    sharding the projections they must describe this rank's heads. Without arguments: the usual
+    ``num_heads`` and ``embed_dim``.
     """
 
     attrs: tuple[str, ...]
 
     def __init__(self, *attrs: str) -> None:
-        object.__setattr__(self, "attrs", attrs)
+        object.__setattr__(self, "attrs", attrs or ("num_heads", "embed_dim"))
 
     def apply(self, sch: Schedule) -> None:
         for attr in self.attrs:
@@ -206,16 +207,27 @@ class HeadParallelDropout:
         sch.attention_core(fork_rng=True)
 
 
+def _component(part: str) -> str:
+    """One path component: ``*`` is any name, ``{q,k,v}_proj`` any of the names the braces list."""
+    if part == "*":
+        return "[^.]+"
+    pieces = re.split(r"\{([^{}]*)\}", part)  # literal, alternatives, literal, ...
+    return "".join(re.escape(p) if i % 2 == 0 else "(?:" + "|".join(map(re.escape, p.split(","))) + ")"
+                   for i, p in enumerate(pieces))  # fmt: skip
+
+
 def _pattern(pattern: str) -> re.Pattern:
-    return re.compile("\\.".join("[^.]+" if part == "*" else re.escape(part) for part in pattern.split(".")) + "$")
+    return re.compile("\\.".join(_component(part) for part in pattern.removesuffix("?").split(".")) + "$")
 
 
 def apply_plan(sch: Schedule, plan: Mapping[str, Placement | tuple[Placement, ...]]) -> list[str]:
     """Apply each placement (or tuple of placements) to every module whose path matches its
     pattern; return the paths.
 
-    Patterns are applied in the plan's order. A pattern that matches nothing is an error: a plan
-    written for another model family would otherwise silently do nothing. So is a column-parallel
+    In a pattern, ``*`` matches one path component and ``{a,b}`` one of the listed names
+    (``layers.*.self_attn.{q,k,v}_proj``). Patterns are applied in the plan's order. A pattern that
+    matches nothing is an error (a plan written for another model family would otherwise silently
+    do nothing) unless it ends in ``?``: a module some variants of the family lack. So is a column-parallel
     layer that leaves its input gradient to a :class:`ParallelRegionInput` the plan does not give it.
     """
     paths = [p for p, _ in sch.named_schedules() if p]
@@ -225,7 +237,7 @@ def apply_plan(sch: Schedule, plan: Mapping[str, Placement | tuple[Placement, ..
     for pattern, placements in plan.items():
         regex = _pattern(pattern)
         matched = [p for p in paths if regex.match(p)]
-        if not matched:
+        if not matched and not pattern.endswith("?"):
             raise SchedulingError(f"plan pattern {pattern!r} matches no submodule of {type(sch.mod).__name__}")
         for placement in placements if isinstance(placements, tuple) else (placements,):
             for path in matched:

@@ -34,7 +34,7 @@ Activations are batch-first in HF models: the sequence is dim 1.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,7 @@ from megatron_slapo.parallel.plans import (
     RowParallel,
     VocabParallelEmbedding,
     VocabParallelHead,
+    apply_plan,
 )
 
 if TYPE_CHECKING:
@@ -122,11 +123,14 @@ def plan_for(plan: Mapping[str, Any], args: Any) -> Mapping[str, Any]:
     return sequence_parallel_plan(plan) if getattr(args, "sequence_parallel", False) else plan
 
 
-def present(sch: Schedule, *paths: str) -> list[str]:
-    """Those of ``paths`` that name a submodule of ``sch`` (HF variants differ: OPT-350m has no
-    final norm but a ``project_out``)."""
-    names = {path for path, _ in sch.named_schedules()}
-    return [p for p in paths if p in names]
+def plan_schedule(plan: Mapping[str, Any]) -> Callable[..., None]:
+    """The ``apply(sch, config, args)`` of a schedule that is one plan: applied in its
+    sequence-parallel form under ``--sequence-parallel``."""
+
+    def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
+        apply_plan(sch, plan_for(plan, args))
+
+    return apply
 
 
 def split_layers(sch: Schedule, layers: list[str]) -> None:
@@ -136,7 +140,9 @@ def split_layers(sch: Schedule, layers: list[str]) -> None:
     if isinstance(sch.mod, PreTrainedModel) and not model.endswith(_HEADS):
         raise SchedulingError(f"--sequence-parallel gathers the sequence for the LM head only; {model} has other "
                               f"consumers of the last hidden state (use a model ending in {', '.join(_HEADS)})")  # fmt: skip
-    splits = {node.metadata.sequence_split for _, node in sch.named_schedules()}
+    splits = [node.metadata.sequence_split for _, node in sch.named_schedules()]
+    if splits.count("gathers") > 1:
+        raise SchedulingError("--sequence-parallel: more than one module after the layers gathers the sequence")
     if "gathers" not in splits:
         raise SchedulingError("--sequence-parallel: nothing after the layers gathers the sequence for the LM head; "
                               "give the final norm SplitAlongSequence(gather_output=True) and apply the plan with "

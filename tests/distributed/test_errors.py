@@ -83,3 +83,13 @@ def test_a_column_layer_left_without_its_region_is_refused(group):
         apply_plan(sch, REGION_PLAN)
     with pytest.raises(ms.SchedulingError, match="not a layer"):
         apply_plan(ms.create_schedule(GatedMLP(), group), {"gate": ParallelRegionInput()})
+
+
+def test_plan_patterns_list_alternatives_and_may_be_optional(group):
+    """``{gate,up}`` matches either name; a pattern ending in ``?`` may match nothing; others must."""
+    sch = ms.create_schedule(GatedMLP(), group)
+    applied = apply_plan(sch, {"{gate,up}": ColumnParallel(), "down": RowParallel(), "norm?": RowParallel()})
+    assert applied == ["gate", "up", "down"]
+    assert [sch[p].metadata.shards["weight"].axis for p in applied] == [0, 0, 1]
+    with pytest.raises(ms.SchedulingError, match=r"plan pattern 'norm' matches no submodule of GatedMLP"):
+        apply_plan(ms.create_schedule(GatedMLP(), group), {"norm": RowParallel()})
