@@ -1,1 +1,2 @@
-"""Replacement modules that schedules splice in: fused QKV, compiled subgraphs, decomposed linears."""
+"""Replacement modules that schedules splice in: fused QKV, compiled subgraphs, decomposed linears,
+attention on an explicit SDPA kernel."""

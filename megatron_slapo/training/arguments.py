@@ -60,8 +60,9 @@ def _model(p: argparse.ArgumentParser, model_types: Sequence[str]) -> None:
     g.add_argument("--max-position-embeddings", type=int, help="default: --seq-length")
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"), default="auto",
-                   help="flash/fused: torch SDPA (HF 'sdpa'); unfused/local: softmax(q kT) v in plain ops (HF "
-                        "'eager'); auto: the model's default")  # fmt: skip
+                   help="flash/fused: torch SDPA on only its flash / cuDNN-or-memory-efficient kernels; "
+                        "unfused/local: softmax(q kT) v in plain ops (HF 'eager'); auto: the model's default "
+                        "(SDPA, torch picks the kernel)")  # fmt: skip
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)

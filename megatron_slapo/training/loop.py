@@ -39,6 +39,7 @@ from megatron_slapo.training.flops import device_peak_tflops, flops_per_token
 from megatron_slapo.training.model import (
     auto_class,
     build_config,
+    check_attention_backend,
     create_model,
     pipeline_stages,
     shared_layers,
@@ -103,6 +104,7 @@ def setup(args: argparse.Namespace) -> Run:
     started = time.time()
     world = int(os.environ.get("WORLD_SIZE", 1))
     validate_args(args, world)
+    check_attention_backend(args)
     schedule = get_schedule(args.schedule)
     print_arguments(args)
     parallel.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=args.seed,

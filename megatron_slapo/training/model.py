@@ -18,6 +18,7 @@ import transformers
 from torch import nn
 
 from megatron_slapo.errors import ConfigError
+from megatron_slapo.kernels import attention
 
 # --model-type -> HF config class (the model class follows from the task, see auto_class)
 CONFIGS = {
@@ -152,9 +153,21 @@ def auto_class(args: argparse.Namespace) -> type:
     return transformers.AutoModelForPreTraining if args.bert_binary_head else transformers.AutoModelForMaskedLM
 
 
-# Megatron's --attention-backend in transformers' terms: its fused kernels are what SDPA dispatches
-# to; "unfused"/"local" keep the probabilities as a tensor (what selective recompute saves most on).
-ATTENTION_BACKENDS = {"auto": None, "flash": "sdpa", "fused": "sdpa", "unfused": "eager", "local": "eager"}
+# Megatron's --attention-backend in transformers' terms: its fused kernels are SDPA restricted to
+# them (kernels/attention.py); "unfused"/"local" keep the probabilities as a tensor (what selective
+# recompute saves most on).
+ATTENTION_BACKENDS = {"auto": None, "flash": attention.implementation("flash"),
+                      "fused": attention.implementation("fused"), "unfused": "eager", "local": "eager"}  # fmt: skip
+
+
+def check_attention_backend(args: argparse.Namespace) -> None:
+    """ConfigError, before anything is built, when the --attention-backend kernel cannot train here."""
+    if args.attention_backend in attention.KERNELS:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        problem = attention.unavailable(args.attention_backend, device, args.attention_dropout)
+        if problem:
+            raise ConfigError(f"--attention-backend {args.attention_backend}: {problem}; use --attention-backend "
+                              "auto (torch picks a kernel) or unfused")  # fmt: skip
 
 
 def create_model(args: argparse.Namespace, config: transformers.PretrainedConfig) -> nn.Module:
@@ -162,13 +175,19 @@ def create_model(args: argparse.Namespace, config: transformers.PretrainedConfig
     auto = auto_class(args)
     backend = ATTENTION_BACKENDS[getattr(args, "attention_backend", "auto")]
     kwargs = {"attn_implementation": backend} if backend else {}
-    if args.load_hf:
-        model = auto.from_pretrained(args.load_hf, **kwargs)
-        if model.get_input_embeddings().num_embeddings != config.vocab_size:
-            model.resize_token_embeddings(config.vocab_size, mean_resizing=False)
-        return model
-    with torch.device("meta"):
-        return auto.from_config(config, **kwargs)
+    try:
+        if args.load_hf:
+            model = auto.from_pretrained(args.load_hf, **kwargs)
+            if model.get_input_embeddings().num_embeddings != config.vocab_size:
+                model.resize_token_embeddings(config.vocab_size, mean_resizing=False)
+            return model
+        with torch.device("meta"):
+            return auto.from_config(config, **kwargs)
+    except ValueError as e:
+        if "does not support an attention implementation" not in str(e):
+            raise
+        raise ConfigError(f"--attention-backend {args.attention_backend}: the HF {config.model_type} model has no "
+                          "SDPA attention; use --attention-backend auto or unfused") from e  # fmt: skip
 
 
 def transformer_layers(model: nn.Module, num_layers: int) -> list[str]:
