@@ -105,3 +105,17 @@ def test_selective_recompute_keeps_less_than_no_recompute_and_more_than_full(cap
     # The probabilities (b x heads x s x s per layer) are no longer kept; the core keeps its inputs:
     # q, k and v (views of the projection's output, kept anyway) and the mask (one for all layers).
     assert plain - selective == layers * b * heads * s * s * fp32 - b * s * s * fp32
+
+
+def test_a_layer_shared_across_depths_is_described_with_them():
+    """ALBERT: one layer module, run (and recomputed) at every depth."""
+    import argparse
+
+    from megatron_slapo.training.recompute import describe
+
+    args = argparse.Namespace(recompute_granularity="full", recompute_method="uniform", checkpoint_ratio=None)
+    assert describe(args, 1, 1, 1, depths=4) == (
+        "> activation recomputation: 1 of 1 transformer layers (shared by 4 depths: every use recomputed), "
+        "--recompute-granularity full --recompute-method uniform"
+    )
+    assert "shared" not in describe(args, 4, 4, 1, depths=4)

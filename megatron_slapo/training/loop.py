@@ -160,7 +160,7 @@ def setup(args: argparse.Namespace) -> Run:
     if args.sequence_parallel:
         sequence.split_layers(sch, layers)
     if recomputing:
-        print_rank_0(recompute.apply(sch, args, layers, stages))
+        print_rank_0(recompute.apply(sch, args, layers, stages, config.num_hidden_layers))
     for k in range(1, stages):
         sch[layers[k * len(layers) // stages]].cut_pipeline_stage()
     if layout.tp_size == 1 and shards and world > 1:

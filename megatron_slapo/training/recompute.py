@@ -54,27 +54,31 @@ def attention_cores(model: nn.Module, layers: list[str]) -> list[str]:
             if name and core_kind(module)]  # fmt: skip
 
 
-def describe(args: argparse.Namespace, chosen: int, total: int, chunks: int) -> str:
-    """The start-up line saying what was applied."""
+def describe(args: argparse.Namespace, chosen: int, total: int, chunks: int, depths: int | None = None) -> str:
+    """The start-up line saying what was applied; ``depths``: how many layers the model runs, when
+    its ``total`` layer modules are shared across them (ALBERT)."""
+    shared = f" (shared by {depths} depths: every use recomputed)" if depths and depths != total else ""
     if args.recompute_granularity == "selective":
-        return f"> activation recomputation: the attention core of {chosen} of {total} transformer layers, selective"
+        return (f"> activation recomputation: the attention core of {chosen} of {total} transformer layers{shared}, "
+                "selective")  # fmt: skip
     if getattr(args, "checkpoint_ratio", None) is not None:
         how = f"--checkpoint-ratio {args.checkpoint_ratio:g}"
     else:
         how = f"--recompute-granularity full --recompute-method {args.recompute_method}"
     where = f" (the first {chosen // chunks} of each of {chunks} stages)" if chunks > 1 and chosen < total else ""
-    return f"> activation recomputation: {chosen} of {total} transformer layers{where}, {how}"
+    return f"> activation recomputation: {chosen} of {total} transformer layers{where}{shared}, {how}"
 
 
-def apply(sch: Schedule, args: argparse.Namespace, layers: list[str], chunks: int) -> str:
-    """Checkpoint what the flags ask for; return the start-up line saying what was applied."""
+def apply(sch: Schedule, args: argparse.Namespace, layers: list[str], chunks: int, depths: int | None = None) -> str:
+    """Checkpoint what the flags ask for; return the start-up line saying what was applied
+    (``depths``: see :func:`describe`)."""
     if args.recompute_granularity == "selective":
         cores = attention_cores(sch.mod, layers)
         for path in cores:
             sch[path].attention_core(checkpoint=True)
         covered = [layer for layer in layers if any(path.startswith(layer + ".") for path in cores)]
-        return describe(args, len(covered), len(layers), chunks)
+        return describe(args, len(covered), len(layers), chunks, depths)
     chosen = recomputed_layers(args, layers, chunks)
     for path in chosen:
         sch[path].checkpoint()
-    return describe(args, len(chosen), len(layers), chunks)
+    return describe(args, len(chosen), len(layers), chunks, depths)
