@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -55,9 +56,9 @@ class StepResult:
     params_norm: float | None = None  # with --log-params-norm
     comm: dict[str, int] | None = None  # with --log-comm: bytes per ``op[group]`` (set by the trainer)
 
-    @property
+    @functools.cached_property
     def loss_finite(self) -> bool:
-        """Reads the metrics (a device sync): ask only of a skipped step."""
+        """Reads the metrics (a device sync, once: the trainer and the reporter both ask)."""
         return all(math.isfinite(v) for v in metrics_to_floats(self.metrics).values())
 
     @property

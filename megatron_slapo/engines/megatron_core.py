@@ -303,8 +303,9 @@ class MegatronEngine:
 
     # -- accounting and checkpoints ----------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
-        """This rank's stages; fp32 gradient buffers; AdamW's fp32 moments, and with --bf16 the fp32
-        main weights (a DP shard of them with the distributed optimizer)."""
+        """This rank's stages; the gradient buffers (fp32, or the training dtype: see
+        ``grads_in_fp32``); AdamW's fp32 moments, and with --bf16/--fp16 the fp32 main weights (a DP
+        shard of them with the distributed optimizer)."""
         weights = [p for chunk in self.chunks for p in chunk.parameters()]
         count = sum(p.numel() for p in weights)
         optimizer = count * 4 * (3 if self.dtype != torch.float32 else 2)
