@@ -30,7 +30,7 @@ SLAPO = {"bert": 21, "roberta": 21, "albert": 21, "gpt2": 10, "gpt_neo": 10, "op
          "wideresnet": 12}  # fmt: skip
 _SKIPPED_TOKENS = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
                    tokenize.ENDMARKER, tokenize.ENCODING}  # fmt: skip
-_CLOSING = {")", "]", "}", ",", ")]", "),", "],", "},"}
+_CLOSING = {")", "]", "}", ","}
 
 
 def _excluded_lines(tree: ast.Module) -> set[int]:
@@ -57,8 +57,7 @@ def count_lines(source: str) -> int:
         if tok.type not in _SKIPPED_TOKENS:
             for line in range(tok.start[0], tok.end[0] + 1):
                 tokens.setdefault(line, []).append(tok.string)
-    return sum(1 for line, toks in tokens.items() if line not in excluded and "".join(toks) not in _CLOSING
-               and not all(t in _CLOSING for t in toks))  # fmt: skip
+    return sum(1 for line, toks in tokens.items() if line not in excluded and not all(t in _CLOSING for t in toks))
 
 
 def table() -> list[dict]:
