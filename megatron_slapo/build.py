@@ -28,6 +28,7 @@ from megatron_slapo.init_tree import init_tree, originals_see_live, units
 from megatron_slapo.materialize import InitFn, Materializer
 from megatron_slapo.parallel.collectives import comm_device
 from megatron_slapo.parallel.random import get_rng_tracker
+from megatron_slapo.primitives.compile import apply_compiles
 from megatron_slapo.primitives.placement import Role, linear_axes
 from megatron_slapo.schedule import Schedule
 
@@ -78,6 +79,7 @@ def build(
             materializer.run_unit(nodes, _derive_seed(seed, unit_path), keep)
             if after_unit is not None:
                 after_unit([node.live for node in nodes if node.live is not None])
+    apply_compiles(sch)
     if cut:
         from megatron_slapo.pipeline import partition
 

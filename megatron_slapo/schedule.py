@@ -23,6 +23,7 @@ from megatron_slapo.parallel.state import default_group
 from megatron_slapo.primitives.annotate import AnnotateMixin
 from megatron_slapo.primitives.attention_core import AttentionCoreMixin
 from megatron_slapo.primitives.checkpoint import CheckpointMixin
+from megatron_slapo.primitives.compile import CompileMixin
 from megatron_slapo.primitives.find import FindMixin
 from megatron_slapo.primitives.fuse import FuseMixin
 from megatron_slapo.primitives.hook import HookMixin
@@ -39,6 +40,7 @@ class Schedule(
     ShardMixin,
     SyncMixin,
     CheckpointMixin,
+    CompileMixin,
     HookMixin,
     ForkRngMixin,
     AttentionCoreMixin,

@@ -149,6 +149,8 @@ def _training(p: argparse.ArgumentParser) -> None:
         type=float,
         help="recompute this fraction of each pipeline stage's layers, its first ones (Slapo's knob)",
     )
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer (inductor; the first steps compile)")  # fmt: skip
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--max-consecutive-nan-iterations", type=int, default=5,
@@ -298,6 +300,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                               "--tensor-model-parallel-size > 1")  # fmt: skip
     if args.checkpoint_ratio is not None and args.recompute_granularity:
         raise ConfigError("--checkpoint-ratio and --recompute-granularity both choose the recomputed layers: give one")
+    if args.compile and args.engine not in ("megatron", "ddp"):
+        raise ConfigError(f"--compile is verified with --engine megatron and ddp, not {args.engine}")
     if args.recompute_granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers != 1:
         raise ConfigError("--recompute-method uniform recomputes each layer as its own unit here: use "
                           "--recompute-num-layers 1 (or --recompute-method block to recompute only some layers)")  # fmt: skip

@@ -31,6 +31,7 @@ from megatron_slapo.errors import ConfigError
 from megatron_slapo.parallel import sequence
 from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.pipeline import PipelineStages
+from megatron_slapo.primitives.compile import compiler_problem
 from megatron_slapo.training import checkpointing, error_report, recompute
 from megatron_slapo.training.arguments import parse_args, validate_args
 from megatron_slapo.training.checkpointing import Layout, Resume
@@ -146,7 +147,7 @@ def setup(args: argparse.Namespace) -> Run:
     sch = ms.create_schedule(model)
     stages = pipeline_stages(args, config.num_hidden_layers)
     recomputing = args.recompute_granularity is not None or args.checkpoint_ratio is not None
-    needs_layers = stages > 1 or recomputing or args.sequence_parallel
+    needs_layers = stages > 1 or recomputing or args.sequence_parallel or args.compile
     layers = _layers(args, model, config.num_hidden_layers, stages) if needs_layers else []
     if stages > 1:
         trace_for_pipeline(sch, task, args, layers)
@@ -161,6 +162,16 @@ def setup(args: argparse.Namespace) -> Run:
         sequence.split_layers(sch, layers)
     if recomputing:
         print_rank_0(recompute.apply(sch, args, layers, stages, config.num_hidden_layers))
+    if args.compile:
+        for path in layers:
+            if not sch[path].metadata.compiled:  # a schedule may compile its layers itself (gpt_fused)
+                sch[path].compile()
+    compiled = [path for path, node in sch.named_schedules() if node.metadata.compiled]
+    if compiled:
+        problem = compiler_problem()
+        if problem:
+            raise ConfigError(f"--schedule {args.schedule}{' --compile' if args.compile else ''}: {problem}")
+        print_rank_0(f"> torch.compile (inductor): {len(compiled)} modules, each layer class compiled on first use")
     for k in range(1, stages):
         sch[layers[k * len(layers) // stages]].cut_pipeline_stage()
     if layout.tp_size == 1 and shards and world > 1:

@@ -63,6 +63,9 @@ LAYOUTS = {  # name -> (world sizes, extra flags)
     "tp2-recompute-selective": ((2,), [*TP2, "--recompute-granularity", "selective"]),
     "pp2-recompute-block": ((2,), [*MEGATRON, *PP2, *FULL, "--recompute-method", "block"]),  # layers 0 and 2
     "tp2-pp2-checkpoint-ratio": ((4,), [*MEGATRON, *TP2, *PP2, "--checkpoint-ratio", "0.5"]),
+    # torch.compile per layer, around the tensor-parallel collectives and inside recompute
+    "tp2-compile-recompute-full": ((2,), [*TP2, "--compile", *FULL]),
+    "tp2-sp-compile-ddp": ((2,), ["--engine", "ddp", *TP2, "--sequence-parallel", "--compile"]),
 }
 
 
@@ -93,6 +96,14 @@ def test_albert_loss_parity(reference, shared_tmp, cache, recompute, request):
     tb = os.path.join(shared_tmp, f"tb-parity-albert-{request.node.callspec.id}")
     losses = train_losses("bert", [*MODEL, *ALBERT, *TP2, *recompute, "--data-cache-path", cache], tb)
     assert_parity(losses, reference("albert"), TOLERANCE)
+
+
+def test_gpt_fused_loss_parity(reference, shared_tmp, cache):
+    """gpt_fused (one kernel per GeLU, every layer compiled) on two data-parallel ranks: the same
+    losses as one eager process."""
+    tb = os.path.join(shared_tmp, "tb-parity-gpt-fused")
+    losses = train_losses("gpt", [*MODEL, "--schedule", "gpt_fused", "--data-cache-path", cache], tb)
+    assert_parity(losses, reference("gpt"), TOLERANCE)
 
 
 def _setup(argv: list[str]):
