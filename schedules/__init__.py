@@ -8,11 +8,12 @@ adding it here.
 from types import ModuleType
 
 from megatron_slapo.errors import ConfigError
-from schedules import albert_tp, bert_tp, default, gpt_neo_tp, gpt_tp, llama_tp, opt_tp
+from schedules import albert_tp, bert_tp, default, gpt_fused, gpt_neo_tp, gpt_tp, llama_tp, opt_tp
 
 SCHEDULES: dict[str, ModuleType] = {
     "default": default,
     "gpt_tp": gpt_tp,
+    "gpt_fused": gpt_fused,
     "gpt_neo_tp": gpt_neo_tp,
     "opt_tp": opt_tp,
     "llama_tp": llama_tp,

@@ -41,12 +41,8 @@ from typing import TYPE_CHECKING, Any
 from transformers import PreTrainedModel
 
 from megatron_slapo.errors import SchedulingError
+from megatron_slapo.kernels.drop_in import swap_in_kernels
 from megatron_slapo.parallel.plans import (
-    ColumnParallel,
-    ParallelRegionInput,
-    RowParallel,
-    VocabParallelEmbedding,
-    VocabParallelHead,
     apply_plan,
 )
 
@@ -101,17 +97,17 @@ class GatherSequence:
             sch.sync("fwd_pre", "all_gather", axis=SEQUENCE_DIM, backward="split")
 
 
-_REWRITTEN = (ColumnParallel, ParallelRegionInput, RowParallel, VocabParallelEmbedding, VocabParallelHead,
-              SplitAlongSequence, GatherSequence)  # fmt: skip
-
-
 def sequence_parallel_plan(plan: Mapping[str, Any]) -> dict[str, Any]:
-    """``plan`` with every region entry and exit in its sequence-parallel form."""
+    """``plan`` with every region entry and exit in its sequence-parallel form: each placement
+    with a ``sequence_parallel`` field (ColumnParallel, RowParallel, the vocabulary-parallel ends,
+    SplitAlongSequence, GatherSequence, FuseGateUp, ...) has it set."""
 
     def rewrite(placement: Any) -> Any:
         if isinstance(placement, tuple):
             return tuple(rewrite(p) for p in placement)
-        if isinstance(placement, _REWRITTEN):
+        if dataclasses.is_dataclass(placement) and "sequence_parallel" in {
+            f.name for f in dataclasses.fields(placement)
+        }:
             return dataclasses.replace(placement, sequence_parallel=True)
         return placement
 
@@ -125,10 +121,12 @@ def plan_for(plan: Mapping[str, Any], args: Any) -> Mapping[str, Any]:
 
 def plan_schedule(plan: Mapping[str, Any]) -> Callable[..., None]:
     """The ``apply(sch, config, args)`` of a schedule that is one plan: applied in its
-    sequence-parallel form under ``--sequence-parallel``."""
+    sequence-parallel form under ``--sequence-parallel``, with HF's formula modules run as one
+    kernel each (:func:`~megatron_slapo.kernels.drop_in.swap_in_kernels`)."""
 
     def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
         apply_plan(sch, plan_for(plan, args))
+        swap_in_kernels(sch)
 
     return apply
 
