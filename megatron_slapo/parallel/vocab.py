@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_slapo.kernels.cross_entropy import chunked_cross_entropy
 from megatron_slapo.parallel.collectives import Group, group_rank, group_size
 
 
@@ -40,64 +40,29 @@ def vocab_parallel_embedding(
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """megatron-core's vocabulary-parallel cross-entropy, over an explicit group, with ``ignore_index``.
-
-    The maths is megatron-core's (the steps of its ``VocabParallelCrossEntropy``), with its fused
-    variant's communication: one all-reduce of the row maxima, one of the target logits and sums
-    of exponentials together. Not its functions themselves: ``vocab_parallel_cross_entropy``
-    reduces over megatron-core's global tensor-parallel group (a schedule may be applied with
-    another), and ``fused_vocab_parallel_cross_entropy`` returns bf16 gradients whatever the
-    training dtype (fp32 parity needs fp32 ones).
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target, group, ignore_index):
-        from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as CE
-
-        # logits: (N, V/n) this rank's vocabulary slice; target: (N,) global ids. megatron-core's
-        # steps work in place on an fp32 copy: never on the caller's fp32 logits themselves.
-        logits = logits.clone() if logits.dtype == torch.float32 else logits
-        logits, logits_max = CE.calculate_logits_max(logits)
-        distributed = group_size(group) > 1
-        if distributed:
-            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        start, end = vocab_range(logits.size(-1), group)
-        outside, local_target, target_logit, sum_exp, exp = CE.calculate_predicted_logits(
-            logits, target, logits_max, start, end
-        )
-        if distributed:
-            both = torch.cat((target_logit, sum_exp))
-            dist.all_reduce(both, group=group)
-            target_logit, sum_exp = both.chunk(2)
-        softmax, loss = CE.calculate_cross_entropy_loss(exp, target_logit, sum_exp)
-        valid = target != ignore_index
-        ctx.save_for_backward(softmax, local_target, outside, valid)
-        return loss.masked_fill(~valid, 0.0)
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as CE
-
-        softmax, local_target, outside, valid = ctx.saved_tensors
-        grad_2d, rows, update, grad = CE.prepare_gradient_calculation_operands(softmax, outside)
-        grad = CE.calculate_gradients(grad_2d, rows, local_target, update, grad, grad_loss * valid.to(grad_loss.dtype))
-        return grad, None, None, None
-
-
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, group: Group, ignore_index: int = -100
 ) -> torch.Tensor:
-    """Per-token cross-entropy from vocabulary-partitioned ``logits`` (``..., V/n``).
+    """Per-token fp32 cross-entropy from vocabulary-partitioned ``logits`` (``..., V/n``).
 
-    Equals ``F.cross_entropy(full_logits, target, reduction="none", ignore_index=...)`` computed on
-    the gathered logits; ignored positions get loss 0. Computed in fp32.
+    Equals ``F.cross_entropy(full_logits.float(), target, reduction="none", ignore_index=...)`` on
+    the gathered logits; ignored positions, and targets outside the vocabulary (BERT's -1 for
+    unmasked tokens), get loss 0. fp32 logits of the whole vocabulary take
+    torch's own kernel (the fastest here, and its saved log-softmax is no larger than the logits).
+    Other logits go through :func:`~megatron_slapo.kernels.cross_entropy.chunked_cross_entropy`,
+    the maths and the two all-reduces of megatron-core's ``VocabParallelCrossEntropy`` without
+    its fp32 copy and fp32 softmax of the whole ``b x s x V/n`` logits (its
+    ``fused_vocab_parallel_cross_entropy`` is leaner, but returns bf16 gradients whatever the
+    training dtype, and both reduce over megatron-core's global group, not the schedule's).
     """
-    shape = target.shape
-    loss = _VocabParallelCrossEntropy.apply(
-        logits.float().reshape(-1, logits.size(-1)), target.reshape(-1), group, ignore_index
-    )
-    return loss.view(shape)
+    if group_size(group) == 1 and logits.dtype == torch.float32:
+        vocab = logits.size(-1)
+        known = target.masked_fill((target < 0) | (target >= vocab), ignore_index)
+        loss = F.cross_entropy(
+            logits.reshape(-1, vocab), known.reshape(-1), reduction="none", ignore_index=ignore_index
+        )
+        return loss.view(target.shape)
+    return chunked_cross_entropy(logits, target, group, ignore_index, vocab_range(logits.size(-1), group)[0])
 
 
 class VocabParallelLMLoss:
