@@ -19,7 +19,7 @@ from megatron_slapo.training.loop import pretrain
 from schedules import gpt_tp
 from tests.distributed.conftest import use_layout
 from tests.distributed.runs import TINY, TP2, last_rank_value
-from tests.utils import max_diff, tb_scalars, tb_tags
+from tests.utils import max_diff, tb_scalars, tb_tags, tiny_llama_config
 from tools import convert_checkpoint, preprocess_data, train_tokenizer
 
 
@@ -197,20 +197,27 @@ def test_hf_export_of_a_tp2_checkpoint_reproduces_the_logits(shared_tmp, cache, 
         assert max_diff(exported(ids).logits, logits) < 1e-5
 
 
-def test_hf_to_tp2_checkpoint_and_back(shared_tmp, rank):
-    original_dir, ck, back = (os.path.join(shared_tmp, n) for n in ("hf-orig", "ck-from-hf", "hf-back"))
-    cfg = transformers.GPT2Config(vocab_size=1000, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+HF_MODELS = {  # schedule -> a model to convert (Llama: llama_tp fuses gate|up, its checkpoint keeps HF's names)
+    "gpt_tp": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=1000, n_positions=32, n_embd=32, n_layer=2, n_head=4)),
+    "llama_tp": lambda: transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=1000)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("schedule", HF_MODELS)
+def test_hf_to_tp2_checkpoint_and_back(schedule, shared_tmp, rank):
+    original_dir, ck, back = (os.path.join(shared_tmp, f"{n}-{schedule}") for n in ("hf-orig", "ck-from-hf", "hf-back"))
     if rank == 0:
         torch.manual_seed(0)
-        transformers.GPT2LMHeadModel(cfg).save_pretrained(original_dir)
+        HF_MODELS[schedule]().save_pretrained(original_dir)
     dist.barrier()
-    convert_checkpoint.main(["from-hf", "--load-hf", original_dir, "--save", ck, "--schedule", "gpt_tp",
+    convert_checkpoint.main(["from-hf", "--load-hf", original_dir, "--save", ck, "--schedule", schedule,
                              "--tensor-model-parallel-size", "2"])  # fmt: skip
     if rank == 0:
         convert_checkpoint.main(["to-hf", "--load", ck, "--save-hf", back])
     dist.barrier()
-    a = transformers.GPT2LMHeadModel.from_pretrained(original_dir).state_dict()
-    b = transformers.GPT2LMHeadModel.from_pretrained(back).state_dict()
+    a = transformers.AutoModelForCausalLM.from_pretrained(original_dir).state_dict()
+    b = transformers.AutoModelForCausalLM.from_pretrained(back).state_dict()
     assert a.keys() == b.keys() and max(max_diff(a[k], b[k]) for k in a) < 1e-20
     dist.barrier()
     if rank == 0:
