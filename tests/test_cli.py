@@ -1,9 +1,12 @@
 """The entry points as a user runs them: bad input is one error line, even under torchrun."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,8 +21,8 @@ def test_one_error_line_under_torchrun_before_anything_starts():
                "pretrain_gpt.py", "--schedule", "nope")  # fmt: skip
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "pretrain_gpt.py: error:" in line]
     assert proc.returncode != 0
-    assert lines == ["pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_neo_tp, "
-                     "opt_tp, llama_tp, bert_tp, albert_tp"], proc.stderr[-2000:]  # fmt: skip
+    assert lines == ["pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_fused, "
+                     "gpt_neo_tp, opt_tp, llama_tp, bert_tp, albert_tp"], proc.stderr[-2000:]  # fmt: skip
 
 
 def test_the_error_line_survives_rank_0_failing_last(tmp_path):
@@ -37,8 +40,8 @@ def test_the_error_line_survives_rank_0_failing_last(tmp_path):
                str(late_rank_0), "--schedule", "nope")  # fmt: skip
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "pretrain_gpt.py: error:" in line]
     assert proc.returncode != 0
-    assert lines == ["pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_neo_tp, "
-                     "opt_tp, llama_tp, bert_tp, albert_tp"], proc.stderr[-2000:]  # fmt: skip
+    assert lines == ["pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_fused, "
+                     "gpt_neo_tp, opt_tp, llama_tp, bert_tp, albert_tp"], proc.stderr[-2000:]  # fmt: skip
 
 
 def test_single_process_error_exit_code_and_no_traceback():
@@ -57,9 +60,9 @@ def test_library_example_trains():
 
 
 def test_the_benchmark_runs_every_schedule_both_ways():
-    """tools/bench.py on a tiny model: one row per schedule; the shipped plans all-reduce less
+    """tools/bench_collectives.py on a tiny model: one row per schedule; the shipped plans all-reduce less
     than one reduction per projection does, except GPT-2's (fused q|k|v already), never more."""
-    proc = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tools/bench.py",
+    proc = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tools/bench_collectives.py",
                "--hidden-size", "32", "--num-layers", "2", "--num-attention-heads", "4", "--seq-length", "16",
                "--vocab-size", "128", "--warmup", "0", "--steps", "1")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -69,6 +72,20 @@ def test_the_benchmark_runs_every_schedule_both_ways():
     reduced = {name: (int(c[5].replace(",", "")), int(c[6].replace(",", ""))) for name, c in rows.items()}
     assert reduced["gpt_tp"][0] == reduced["gpt_tp"][1]
     assert all(before > after for name, (before, after) in reduced.items() if name != "gpt_tp"), reduced
+
+
+def test_the_benchmark_times_a_recipe_against_hf_eager_in_one_run(tmp_path):
+    """tools/bench.py --grid tiny: one row, both sides timed in the same run; JSON and PNG written."""
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = run(sys.executable, "tools/bench.py", "--grid", "tiny", "--warmup", "2", "--steps", "2", "--json", str(out),
+               "--plot", str(png))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    assert row["recipe"] == "gpt_fused" and row["dtype"] == "fp32"
+    assert len(row["hf"]["step_ms_all"]) == len(row["scheduled"]["step_ms_all"]) == 2
+    assert row["speedup"] == pytest.approx(row["hf"]["step_ms"] / row["scheduled"]["step_ms"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| gpt2 tiny | 32 x 2 | fp32 | gpt_fused |" in proc.stdout
 
 
 def test_loc_counts_schedule_lines_and_every_schedule_is_within_slapos():
@@ -92,5 +109,13 @@ apply = make(PLAN)
     proc = run(sys.executable, "tools/loc.py")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()[2:]]
-    assert {r[0].strip() for r in rows} == {"gpt_tp", "gpt_neo_tp", "opt_tp", "llama_tp", "bert_tp", "albert_tp"}
+    assert {r[0].strip() for r in rows} == {
+        "gpt_tp",
+        "gpt_fused",
+        "gpt_neo_tp",
+        "opt_tp",
+        "llama_tp",
+        "bert_tp",
+        "albert_tp",
+    }
     assert all(r[4].strip() == "yes" for r in rows), proc.stdout

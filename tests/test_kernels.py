@@ -1,0 +1,142 @@
+"""Kernels, against the code they replace: drop-in GeLU and RMS norm, compiled layers, the chunked
+cross-entropy."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers.activations import FastGELUActivation, NewGELUActivation
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+import megatron_slapo as ms
+from megatron_slapo.errors import SchedulingError
+from megatron_slapo.kernels import cross_entropy
+from megatron_slapo.kernels.cross_entropy import chunked_cross_entropy
+from megatron_slapo.kernels.drop_in import GeLU, RMSNorm, swap_in_kernels
+from megatron_slapo.primitives.compile import compiler_problem
+from tests.utils import tiny_gpt2_config, tiny_llama_config
+
+
+def _value_and_grad(fn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.detach().clone().requires_grad_()
+    y = fn(x)
+    (y.float() * torch.linspace(-1, 1, y.size(-1))).sum().backward()
+    return y.float(), x.grad.float()
+
+
+@pytest.mark.parametrize("formula", [NewGELUActivation, FastGELUActivation])
+def test_gelu_kernel_equals_hf_formula(formula):
+    """fp32: forward to 1e-6, input gradient to 1e-5 (autograd of the formula and the kernel's own
+    derivative round differently, by up to ~10 ulps); bf16 to bf16's precision (the formula
+    rounds after each of its seven ops, the kernel once)."""
+    x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(0)) * 3
+    y, g = _value_and_grad(GeLU("tanh"), x)
+    ref_y, ref_g = _value_and_grad(formula(), x)
+    torch.testing.assert_close(y, ref_y, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g, ref_g, rtol=1e-5, atol=1e-5)
+    y16, g16 = _value_and_grad(GeLU("tanh"), x.bfloat16())
+    torch.testing.assert_close(y16, ref_y, rtol=2**-7, atol=2**-7)
+    torch.testing.assert_close(g16, ref_g, rtol=2**-6, atol=2**-6)
+
+
+def test_swap_in_kernels_replaces_every_formula_and_keeps_the_model():
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(tiny_gpt2_config(resid_pdrop=0, embd_pdrop=0, attn_pdrop=0))
+    reference = copy.deepcopy(model)
+    sch = ms.create_schedule(model)
+    paths = swap_in_kernels(sch)
+    assert paths == ["transformer.h.0.mlp.act", "transformer.h.1.mlp.act"]
+    built = ms.build(sch, init_weights=False)
+    assert all(isinstance(layer.mlp.act, GeLU) for layer in built.transformer.h)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(built(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_kernel_equals_llamas_and_is_swapped_in():
+    """fp32 and bf16 inputs: output, input and weight gradients as LlamaRMSNorm's (to 1e-6; bf16
+    to its precision); in a Llama every norm is swapped, and the logits are unchanged."""
+    torch.manual_seed(0)
+    reference = LlamaRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        reference.weight.uniform_(0.5, 1.5)
+    kernel = RMSNorm(64, eps=1e-5)
+    kernel.weight = torch.nn.Parameter(reference.weight.detach().clone())
+    x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(0)) * 3
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 2**-7)):
+        y, g = _value_and_grad(lambda t: kernel(t), x.to(dtype))
+        ref_y, ref_g = _value_and_grad(lambda t: reference(t), x.to(dtype))
+        torch.testing.assert_close(y, ref_y, rtol=tol, atol=tol)
+        torch.testing.assert_close(g, ref_g, rtol=tol, atol=tol)
+    torch.testing.assert_close(kernel.weight.grad, reference.weight.grad, rtol=1e-5, atol=1e-5)
+    model = transformers.LlamaForCausalLM(tiny_llama_config())
+    before = copy.deepcopy(model)
+    sch = ms.create_schedule(model)
+    swapped = swap_in_kernels(sch)
+    layers = tiny_llama_config().num_hidden_layers
+    assert len(swapped) == 2 * layers + 1 and swapped[-1] == "model.norm", swapped
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(ms.build(sch, init_weights=False)(ids).logits, before(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_layers_equal_eager_and_share_their_code():
+    """Each GPT-2 block compiled (inductor), dropout on: outputs and every gradient as eager, to
+    1e-5 (the same masks); a deep copy runs its own weights."""
+    assert compiler_problem() is None, compiler_problem()
+    torch.manual_seed(0)
+    config = tiny_gpt2_config(resid_pdrop=0.2, embd_pdrop=0.2, attn_pdrop=0.2)
+    model = transformers.GPT2LMHeadModel(config)
+    reference = copy.deepcopy(model)
+    sch = ms.create_schedule(model)
+    for layer in range(config.n_layer):
+        sch[f"transformer.h.{layer}"].compile()
+    compiled = ms.build(sch, init_weights=False)
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    for m in (compiled, reference):
+        torch.manual_seed(7)
+        m(ids).logits.pow(2).mean().backward()
+    torch.manual_seed(7)
+    logits = compiled(ids).logits
+    torch.manual_seed(7)
+    torch.testing.assert_close(logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+    for (name, p), q in zip(compiled.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=name)
+    twin = copy.deepcopy(compiled).eval()
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, compiled.eval()(ids).logits)
+        twin.transformer.h[0].mlp.c_fc.weight.zero_()
+        assert not torch.allclose(twin(ids).logits, compiled(ids).logits)
+
+
+def test_compile_refusals():
+    sch = ms.create_schedule(transformers.GPT2LMHeadModel(tiny_gpt2_config()))
+    sch["transformer.h.0"].compile()
+    with pytest.raises(SchedulingError, match="already applied"):
+        sch["transformer.h.0"].compile()
+    assert "no-such-backend" in compiler_problem("no-such-backend")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_cross_entropy_equals_torch(monkeypatch, dtype):
+    """Loss and logits gradient as ``F.cross_entropy`` on fp32 logits (fp32: to 1e-6; bf16 logits:
+    the gradient to bf16's precision), over several chunks, with ignored positions."""
+    monkeypatch.setattr(cross_entropy, "CHUNK_BYTES", 4 * 100 * 7)  # 7 of the 32 rows per chunk: 5 chunks
+    logits = (torch.randn(32, 100, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    target = torch.randint(0, 100, (32,), generator=torch.Generator().manual_seed(1))
+    target[3], target[5] = -100, -1  # ignored; outside the vocabulary (BERT marks unmasked tokens so)
+    weights = torch.rand(32, generator=torch.Generator().manual_seed(2))
+    ours, ours_grad = _loss_and_grad(lambda x: chunked_cross_entropy(x, target), logits, weights)
+    ignored = target.masked_fill(target < 0, -100)
+    ref, ref_grad = _loss_and_grad(lambda x: F.cross_entropy(x.float(), ignored, reduction="none"), logits, weights)
+    torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 2**-8
+    torch.testing.assert_close(ours_grad, ref_grad.to(dtype).float(), rtol=tol, atol=tol)
+    assert ours[3] == ours[5] == 0 and not ours_grad[3].any() and not ours_grad[5].any()
+
+
+def _loss_and_grad(fn, logits: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = logits.detach().clone().requires_grad_()
+    loss = fn(x)
+    (loss * weights).sum().backward()
+    return loss.detach(), x.grad.float()
