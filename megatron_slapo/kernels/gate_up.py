@@ -7,21 +7,20 @@ part of gate, then its part of up, and one all-reduce covers the input gradient 
 
 Nothing changes outside the module: pretrained weights are concatenated into the fused projection,
 ``build`` initialises it as the concatenation of what the two layers would have been initialised to
-(:meth:`FusedGateUpMLP.param_origins`), ``Verify`` compares its gradient with theirs, and the
+and ``Verify`` compares its gradient with theirs (:class:`~megatron_slapo.kernels.fused_rows.FusedRows`), and the
 module's ``state_dict`` keeps HF's names (``gate_proj.weight``, ``up_proj.weight``, each this
 rank's shard), so checkpoints, ``--load-hf`` and ``tools/convert_checkpoint.py`` work as before.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from megatron_slapo.kernels.qkv import ParamOrigins
+from megatron_slapo.kernels.fused_rows import FusedRows
 from megatron_slapo.parallel.plans import ColumnParallel
 
 if TYPE_CHECKING:
@@ -30,46 +29,26 @@ if TYPE_CHECKING:
 NAMES = ("gate_proj", "up_proj")  # HF's gated MLP layers, in the fused projection's order
 
 
-class FusedGateUpMLP(nn.Module):
+class FusedGateUpMLP(FusedRows):
     """``down_proj(act_fn(gate) * up)`` where ``gate, up = gate_up_proj(x).chunk(2, -1)``."""
+
+    FUSED = "gate_up_proj"
 
     def __init__(self, hidden: int, intermediate: int, act_fn: nn.Module, down_proj: nn.Module, bias: bool) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias, device="meta")
         self.down_proj = down_proj
         self.act_fn = act_fn
-        self._origins: list[weakref.ref] = []  # weak: the originals must not stay alive for this
         self.register_state_dict_post_hook(_split_state)
         self.register_load_state_dict_pre_hook(_fuse_state)
 
     @classmethod
     def from_mlp(cls, mlp: nn.Module) -> FusedGateUpMLP:
         """The fused form of an HF gated MLP (``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``)."""
-        gate, up = mlp.gate_proj, mlp.up_proj
+        gate = mlp.gate_proj
         fused = cls(gate.in_features, gate.out_features, mlp.act_fn, mlp.down_proj, gate.bias is not None)
-        fused.gate_up_proj.to(dtype=gate.weight.dtype)  # still on meta
-        if not gate.weight.is_meta:  # pretrained (or initialised) weights carry over
-            with torch.no_grad():
-                for name in ("weight", "bias") if gate.bias is not None else ("weight",):
-                    whole = torch.cat([getattr(gate, name), getattr(up, name)])
-                    setattr(
-                        fused.gate_up_proj, name, nn.Parameter(whole, requires_grad=getattr(gate, name).requires_grad)
-                    )
-        fused._origins = [weakref.ref(gate), weakref.ref(up)]
+        fused.take_rows([gate, mlp.up_proj])
         return fused
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_origins"] = []  # weak references neither pickle nor mean anything elsewhere
-        return state
-
-    def param_origins(self) -> ParamOrigins:
-        """``{parameter: (0, [(gate_proj, name), (up_proj, name)])}`` while the originals live."""
-        layers = [ref() for ref in self._origins]
-        if not layers or any(layer is None for layer in layers):
-            return {}
-        names = ["weight"] + (["bias"] if self.gate_up_proj.bias is not None else [])
-        return {f"gate_up_proj.{name}": (0, [(layer, name) for layer in layers]) for name in names}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

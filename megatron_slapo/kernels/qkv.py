@@ -6,22 +6,20 @@ holds its own heads of q, k and v, one after the other, so its output splits int
 (the global ones divided by the TP size). The layout is checked before anything runs
 (:meth:`FusedQKV.schedule_problem`, called by ``build``'s validation).
 
-The fused tensors remember the layers they were made from (:meth:`FusedQKV.param_origins`), so
-``build`` initialises them as the concatenation of what those layers would have been initialised
-to, and ``Verify`` compares their gradients with the concatenated gradients of the originals.
+The fused tensors remember the layers they were made from (:class:`~megatron_slapo.kernels.fused_rows.FusedRows`),
+so ``build`` initialises them as the concatenation of what those layers would have been
+initialised to, and ``Verify`` compares their gradients with the concatenated gradients of the originals.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 from torch import nn
 
+from megatron_slapo.kernels.fused_rows import FusedRows
 from megatron_slapo.parallel.layout import shard_slice
-
-ParamOrigins = dict[str, tuple[int, list[tuple[nn.Module, str]]]]
 
 
 @functools.lru_cache(maxsize=64)
@@ -53,7 +51,7 @@ def _local_sizes(sizes: tuple[int, ...], local: int, stride: int, head_dim: int 
     return local_sizes
 
 
-class FusedQKV(nn.Module):
+class FusedQKV(FusedRows):
     """``x -> (q(x), k(x), v(x))`` with the three Linear layers concatenated into one.
 
     Built from existing layers (:meth:`from_linears`), so pretrained weights carry over.
@@ -67,35 +65,14 @@ class FusedQKV(nn.Module):
         self.sizes = list(out_features)
         self.head_dim = head_dim
         self.proj = nn.Linear(in_features, sum(out_features), bias=bias)
-        self._origins: list[weakref.ref] = []  # weak: the originals must not stay alive for this
 
     @classmethod
     def from_linears(cls, q: nn.Linear, k: nn.Linear, v: nn.Linear, head_dim: int | None = None) -> FusedQKV:
         """Fuse three Linear layers (on any device, meta included) into one projection."""
-        with torch.device(q.weight.device):
+        with torch.device("meta"):
             fused = cls(q.in_features, (q.out_features, k.out_features, v.out_features), q.bias is not None, head_dim)
-        fused.to(dtype=q.weight.dtype)
-        if not q.weight.is_meta:
-            with torch.no_grad():
-                fused.proj.weight.copy_(torch.cat([q.weight, k.weight, v.weight]))
-                if q.bias is not None:
-                    fused.proj.bias.copy_(torch.cat([q.bias, k.bias, v.bias]))
-        fused._origins = [weakref.ref(m) for m in (q, k, v)]
+        fused.take_rows([q, k, v])
         return fused
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_origins"] = []  # weak references neither pickle nor mean anything elsewhere
-        return state
-
-    def param_origins(self) -> ParamOrigins:
-        """``{parameter: (dim, [(original layer, its parameter), ...])}``: each fused parameter is the
-        concatenation along ``dim`` of the originals' (empty if the originals are gone)."""
-        layers = [ref() for ref in self._origins]
-        if not layers or any(layer is None for layer in layers):
-            return {}
-        names = ["weight"] + (["bias"] if self.proj.bias is not None else [])
-        return {f"proj.{name}": (0, [(layer, name) for layer in layers]) for name in names}
 
     def _split(self) -> tuple[int, ...] | str:
         weight = self.proj.weight
