@@ -8,7 +8,7 @@ adding it here.
 from types import ModuleType
 
 from megatron_slapo.errors import ConfigError
-from schedules import albert_tp, bert_tp, default, gpt_fused, gpt_neo_tp, gpt_tp, llama_tp, opt_tp
+from schedules import albert_tp, auto, bert_tp, default, gpt_fused, gpt_neo_tp, gpt_tp, llama_tp, opt_tp
 
 SCHEDULES: dict[str, ModuleType] = {
     "default": default,
@@ -19,6 +19,7 @@ SCHEDULES: dict[str, ModuleType] = {
     "llama_tp": llama_tp,
     "bert_tp": bert_tp,
     "albert_tp": albert_tp,
+    "auto": auto,
 }
 
 
@@ -30,8 +31,10 @@ def get_schedule(name: str) -> ModuleType:
 
 
 def fitting(model_type: str) -> list[str]:
-    """The schedules that can be applied to a model of this HF ``model_type``."""
-    return [name for name, mod in SCHEDULES.items() if mod.MODEL_TYPES is None or model_type in mod.MODEL_TYPES]
+    """The schedules that can be applied to a model of this HF ``model_type`` (a schedule for any
+    type may say which it fits with ``fits(model_type)``)."""
+    return [name for name, mod in SCHEDULES.items()
+            if model_type in (mod.MODEL_TYPES or ()) or (mod.MODEL_TYPES is None and getattr(mod, "fits", bool)(model_type))]  # fmt: skip
 
 
 def _listed(names: tuple[str, ...]) -> str:
@@ -40,12 +43,14 @@ def _listed(names: tuple[str, ...]) -> str:
 
 def check_fits(name: str, model_type: str) -> None:
     """ConfigError (before any model is built) when schedule ``name`` is written for other model types."""
+    if name in fitting(model_type):
+        return
     types = get_schedule(name).MODEL_TYPES
-    if types is not None and model_type not in types:
-        raise ConfigError(
-            f"--schedule {name} is for {_listed(types)} models, not {model_type}; "
-            f"schedules that fit {model_type}: {', '.join(fitting(model_type))}"
-        )
+    what = f"is for {_listed(types)} models" if types else "follows the tensor-parallel plan transformers publishes"
+    raise ConfigError(
+        f"--schedule {name} {what}, not {model_type}{'' if types else ' (it has none)'}; "
+        f"schedules that fit {model_type}: {', '.join(fitting(model_type))}"
+    )
 
 
 def describe() -> str:

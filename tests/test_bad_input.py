@@ -84,6 +84,10 @@ def test_embedded_run_with_a_pretrained_model_keeps_its_shape(tmp_path):
          "schedules that fit gpt2: default, gpt_tp, gpt_fused"),
         ("bert", ["--schedule", "llama_tp", "--model-type", "albert"], "--schedule llama_tp is for llama models, "
          "not albert; schedules that fit albert: default, albert_tp"),
+        ("gpt", ["--schedule", "auto"], "--schedule auto follows the tensor-parallel plan transformers publishes, "
+         "not gpt2 (it has none); schedules that fit gpt2: default, gpt_tp, gpt_fused"),
+        ("gpt", ["--model-type", "no_such_model"], "unknown --model-type 'no_such_model': give one of gpt2, gpt_neo, "
+         "opt, llama or a transformers causal-LM model type (e.g. qwen3, mistral)"),
     ],
 )  # fmt: skip
 def test_a_schedule_for_another_model_family_says_which_fit(task, argv, message, capsys):

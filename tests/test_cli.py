@@ -22,7 +22,7 @@ def test_one_error_line_under_torchrun_before_anything_starts():
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "pretrain_gpt.py: error:" in line]
     assert proc.returncode != 0
     assert lines == ["pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_fused, "
-                     "gpt_neo_tp, opt_tp, llama_tp, bert_tp, albert_tp"], proc.stderr[-2000:]  # fmt: skip
+                     "gpt_neo_tp, opt_tp, llama_tp, bert_tp, albert_tp, auto"], proc.stderr[-2000:]  # fmt: skip
 
 
 def test_the_error_line_survives_rank_0_failing_last(tmp_path):
@@ -41,7 +41,7 @@ def test_the_error_line_survives_rank_0_failing_last(tmp_path):
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "pretrain_gpt.py: error:" in line]
     assert proc.returncode != 0
     assert lines == ["pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_fused, "
-                     "gpt_neo_tp, opt_tp, llama_tp, bert_tp, albert_tp"], proc.stderr[-2000:]  # fmt: skip
+                     "gpt_neo_tp, opt_tp, llama_tp, bert_tp, albert_tp, auto"], proc.stderr[-2000:]  # fmt: skip
 
 
 def test_single_process_error_exit_code_and_no_traceback():

@@ -47,7 +47,12 @@ _PROBABILITIES = ("attention_dropout", "hidden_dropout", "adam_beta1", "adam_bet
 
 def _model(p: argparse.ArgumentParser, model_types: Sequence[str]) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--model-type", choices=model_types, default=model_types[0], help="HF model family")
+    if model_types == GPT_MODEL_TYPES:  # any transformers causal LM, beyond those with a hand-written schedule
+        g.add_argument("--model-type", default=model_types[0], metavar="TYPE",
+                       help=f"HF model family: {', '.join(model_types)}, or any transformers causal-LM type "
+                            "(llama-like: qwen3, mistral, ...) with --schedule auto")  # fmt: skip
+    else:
+        g.add_argument("--model-type", choices=model_types, default=model_types[0], help="HF model family")
     g.add_argument("--hf-config", help="HF config name or directory (instead of the size flags)")
     g.add_argument("--load-hf", metavar="DIR", help="start from the pretrained HF weights in DIR")
     g.add_argument("--schedule", default="default", help="schedules/NAME.py to apply; 'list' prints them")
@@ -273,9 +278,19 @@ def _check_ranges(args: argparse.Namespace) -> None:
             raise ConfigError(f"{flag(args, name)} must lie between 0 and 1")
 
 
+def causal_lm_types() -> set[str]:
+    """The model types transformers has a causal-LM class for."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Raise one ConfigError for the first contradiction among the arguments and the world size."""
     _check_ranges(args)
+    if args.task == "gpt" and args.model_type not in GPT_MODEL_TYPES and args.model_type not in causal_lm_types():
+        raise ConfigError(f"unknown --model-type {args.model_type!r}: give one of {', '.join(GPT_MODEL_TYPES)} or a "
+                          "transformers causal-LM model type (e.g. qwen3, mistral)")  # fmt: skip
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")

@@ -49,6 +49,8 @@ def _from_flags(args: argparse.Namespace, vocab: int, tokenizer: Any) -> transfo
     hd, ad, std = args.hidden_dropout, args.attention_dropout, args.init_method_std
     eod = getattr(tokenizer, "eod", None)
     kind = args.model_type
+    if kind not in CONFIGS:
+        return _scaled_down(kind, args, vocab, ffn, eod)
     cls = getattr(transformers, CONFIGS[kind])
     if kind == "gpt2":
         return cls(vocab_size=vocab, n_positions=s, n_embd=h, n_layer=L, n_head=a, n_inner=ffn, resid_pdrop=hd,
@@ -74,6 +76,25 @@ def _from_flags(args: argparse.Namespace, vocab: int, tokenizer: Any) -> transfo
     if kind == "roberta":
         common["max_position_embeddings"] = s + 2  # RoBERTa offsets positions by padding_idx + 1
     return cls(**common)
+
+
+def _scaled_down(
+    kind: str, args: argparse.Namespace, vocab: int, ffn: int, eod: int | None
+) -> transformers.PretrainedConfig:
+    """Any other transformers model type: its config class's defaults, with the size flags in the
+    fields that config has (the standard names: ``hidden_size``, ``num_hidden_layers``, ...)."""
+    cls = transformers.CONFIG_MAPPING[kind]
+    wanted = dict(vocab_size=vocab, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+                  num_attention_heads=args.num_attention_heads, intermediate_size=ffn,
+                  num_key_value_heads=args.num_query_groups or args.num_attention_heads,
+                  max_position_embeddings=args.max_position_embeddings, attention_dropout=args.attention_dropout,
+                  hidden_dropout=args.hidden_dropout, initializer_range=args.init_method_std, bos_token_id=eod,
+                  eos_token_id=eod, pad_token_id=eod)  # fmt: skip
+    known = cls().to_dict()
+    config = cls(**{k: v for k, v in wanted.items() if k in known or k in ("vocab_size", "hidden_size")})
+    if getattr(config, "head_dim", None) and "head_dim" in known:  # derived from the width, not the default's
+        config.head_dim = args.hidden_size // args.num_attention_heads
+    return config
 
 
 def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.PretrainedConfig:

@@ -1,0 +1,73 @@
+"""--schedule auto: the HF plan of each family, translated, reproduces the unscheduled model under TP2
+(Verify: outputs and every gradient), with and without sequence parallelism."""
+
+import argparse
+import os
+
+import pytest
+import torch
+import transformers
+from transformers import CONFIG_MAPPING
+
+import megatron_slapo as ms
+from megatron_slapo.errors import SchedulingError
+from megatron_slapo.parallel.sequence import split_layers
+from megatron_slapo.training.model import transformer_layers
+from schedules import auto
+from tests.distributed.runs import PARITY, assert_parity, single_process_losses, train_losses
+
+# Families whose plans use only the styles auto follows, each a tiny config of the family's defaults:
+# grouped-query attention (2 key/value heads for 4), per-head norms (qwen3), packed q|k|v (gpt_neox), biases (starcoder2).
+FAMILIES = ["llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "starcoder2", "cohere", "cohere2", "smollm3",
+            "gpt_neox", "olmo", "helium", "arcee", "ernie4_5", "exaone", "exaone4", "internlm3", "nemotron", "phi",
+            "seed_oss", "jais2", "nanochat", "cwm", "iquestcoder", "hyperclovax"]  # fmt: skip
+SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, head_dim=16, pad_token_id=0, bos_token_id=0,
+             eos_token_id=0)  # fmt: skip
+
+
+def tiny(family: str) -> transformers.PretrainedConfig:
+    """The family's config class with its defaults, scaled down (fields it lacks are dropped)."""
+    cls = CONFIG_MAPPING[family]
+    fields = {k: v for k, v in SIZES.items() if k in cls().to_dict() or k in ("vocab_size", "hidden_size")}
+    return cls(**fields)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_auto_matches_the_unscheduled_model(group, family, sequence_parallel):
+    if sequence_parallel and family == "nanochat":
+        pytest.skip("nanochat runs its final norm on the embeddings too: no module ends the split alone")
+    config = tiny(family)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    sch = ms.create_schedule(model, group)
+    with ms.Verify(sch, [ids], seed=7) as verify:
+        auto.apply(sch, config, argparse.Namespace(sequence_parallel=sequence_parallel))
+        if sequence_parallel:
+            split_layers(sch, transformer_layers(model, config.num_hidden_layers))
+    assert verify.report.grads and not verify.report.failures, verify.report.failures
+    sharded = [path for path, node in sch.named_schedules() if node.metadata.shards]
+    assert len(sharded) >= 4 * config.num_hidden_layers, sharded
+
+
+def test_a_style_auto_cannot_honour_is_one_error_naming_it(group):
+    config = tiny("phi3")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(SchedulingError, match=r"plans 'layers.\*.self_attn.qkv_proj' as 'colwise_gather_output'"):
+        auto.apply(ms.create_schedule(model, group), config)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "starcoder2", "gpt_neox"])
+def test_auto_trains_at_tp2_as_one_process(family, shared_tmp, cache):
+    """pretrain_gpt.py --model-type FAMILY --schedule auto: 10 fp32 steps at TP2 give one process's
+    losses (per-head norms, grouped-query attention, biases, packed q|k|v)."""
+    argv = [*PARITY, "--model-type", family, "--schedule", "auto", "--num-query-groups", "2",
+            "--data-cache-path", cache]  # fmt: skip
+    expected = single_process_losses("gpt", argv, os.path.join(shared_tmp, f"tb-auto-{family}-one"))
+    losses = train_losses(
+        "gpt", [*argv, "--tensor-model-parallel-size", "2"], os.path.join(shared_tmp, f"tb-auto-{family}")
+    )
+    assert_parity(losses, expected, 1e-5)
