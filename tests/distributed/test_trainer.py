@@ -201,6 +201,9 @@ HF_MODELS = {  # schedule -> a model to convert (Llama: llama_tp fuses gate|up, 
     "gpt_tp": lambda: transformers.GPT2LMHeadModel(
         transformers.GPT2Config(vocab_size=1000, n_positions=32, n_embd=32, n_layer=2, n_head=4)),
     "llama_tp": lambda: transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=1000)),
+    "auto": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64)),
 }  # fmt: skip
 
 
