@@ -6,9 +6,8 @@ all-reduce per attention block and per MLP, vocabulary-parallel embedding, LM he
 
 from typing import Any
 
-from transformers import CONFIG_MAPPING, PreTrainedModel
+from transformers import CONFIG_MAPPING
 
-from megatron_slapo.errors import SchedulingError
 from megatron_slapo.kernels.drop_in import swap_in_kernels
 from megatron_slapo.parallel.hf_plan import plan_from_hf
 from megatron_slapo.parallel.plans import apply_plan
@@ -24,9 +23,5 @@ def fits(model_type: str) -> bool:
 
 
 def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
-    if not isinstance(sch.mod, PreTrainedModel):
-        raise SchedulingError(
-            "--schedule auto reads the plan of an HF model; a traced one (pipeline stages) has none yet"
-        )
-    apply_plan(sch, plan_for(plan_from_hf(sch.mod), args))
+    apply_plan(sch, plan_for(plan_from_hf(sch.mod, config or sch.mod.config), args))
     swap_in_kernels(sch)

@@ -80,28 +80,44 @@ class LocalHeadAttrs:
                 setattr(sch.mod, attr, value // sch.world_size)
 
 
-def _path_of(model: nn.Module, module: nn.Module) -> str:
-    return next(path for path, m in model.named_modules() if m is module)
-
-
-def _adds_positions(model: PreTrainedModel, embedding: nn.Module) -> bool:
+def _adds_positions(base: nn.Module, embedding: nn.Module) -> bool:
     """Whether another embedding (positions, token types) is added to the token lookup."""
-    return any(isinstance(m, nn.Embedding) and m is not embedding for m in model.base_model.modules())
+    return any(isinstance(m, nn.Embedding) and m is not embedding for m in base.modules())
 
 
-def plan_from_hf(model: PreTrainedModel) -> dict[str, Any]:
-    """This project's plan (see :func:`~megatron_slapo.parallel.plans.apply_plan`) for ``model``,
-    from its config's ``base_model_tp_plan``; SchedulingError for a style it cannot honour."""
-    name = type(model).__name__
-    tp_plan = getattr(model.config, "base_model_tp_plan", None)
+def _path(model: nn.Module, name: str, wanted: str, fallback: nn.Module | None) -> str:
+    """The path of module ``name`` in ``model``, else of ``fallback`` (an HF accessor's answer)."""
+    modules = dict(model.named_modules())
+    if name in modules:
+        return name
+    found = next((path for path, m in modules.items() if m is fallback), None) if fallback is not None else None
+    if found is None:
+        raise SchedulingError(f"--schedule auto: cannot find the {wanted} of this model")
+    return found
+
+
+def plan_from_hf(model: nn.Module, config: Any) -> dict[str, Any]:
+    """This project's plan (see :func:`~megatron_slapo.parallel.plans.apply_plan`) for ``model``
+    (an HF model, or its root traced for pipeline stages), from ``config.base_model_tp_plan``;
+    SchedulingError for a style it cannot honour."""
+    kind = config.model_type
+    tp_plan = getattr(config, "base_model_tp_plan", None)
     if not tp_plan:
-        raise SchedulingError(f"--schedule auto: {name}'s config publishes no base_model_tp_plan to follow")
-    base = _path_of(model, model.base_model)
-    prefix = f"{base}." if base else ""
-    embedding = model.get_input_embeddings()
-    plan: dict[str, Any] = {
-        _path_of(model, embedding): VocabParallelEmbedding(positions=_adds_positions(model, embedding))
-    }
+        raise SchedulingError(f"--schedule auto: the {kind} config publishes no base_model_tp_plan to follow")
+    layers = next((p.split(".")[0] for p in tp_plan if ".*." in p), "layers")  # "layers" in "layers.*.self_attn.q_proj"
+    base = next(
+        (p for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and p.split(".")[-1] == layers), None
+    )
+    if base is None:
+        raise SchedulingError(f"--schedule auto: no {layers!r} module list in this {kind} model")
+    prefix = base[: -len(layers)]
+    pp_plan = getattr(config, "base_model_pp_plan", None) or {}
+    hf = model if isinstance(model, PreTrainedModel) else None
+    embedding_path = _path(model, prefix + next(iter(pp_plan), ""), "input embedding",
+                           hf.get_input_embeddings() if hf else None)  # fmt: skip
+    embedding = model.get_submodule(embedding_path)
+    base_model = model.get_submodule(prefix.rstrip(".")) if prefix else model
+    plan: dict[str, Any] = {embedding_path: VocabParallelEmbedding(positions=_adds_positions(base_model, embedding))}
     regions: dict[str, None] = {}
     for pattern, style in tp_plan.items():
         path = prefix + pattern
@@ -112,31 +128,27 @@ def plan_from_hf(model: PreTrainedModel) -> dict[str, Any]:
             plan[path] = RowParallel()
         elif style == "replicated_with_grad_allreduce":
             plan[path] = PartialGradients()
-        elif not (style == "embedding_rowwise" and path == _path_of(model, embedding)):  # that one is ours already
-            raise SchedulingError(f"--schedule auto: {name} plans {pattern!r} as {style!r}, which it cannot honour "
+        elif not (style == "embedding_rowwise" and path == embedding_path):  # that one is ours already
+            raise SchedulingError(f"--schedule auto: {kind} plans {pattern!r} as {style!r}, which it cannot honour "
                                   f"yet (it follows {', '.join(STYLES)})")  # fmt: skip
     sample = dict(model.named_modules())
     for parent in regions:  # the first layer's module stands for the pattern's
         module = sample.get(parent.replace("*", "0"))
         attention = module is not None and core_kind(module) is not None
-        placements = (ParallelRegionInput(), LocalHeadAttrs(model.config), HeadParallelDropout())
+        placements = (ParallelRegionInput(), LocalHeadAttrs(config), HeadParallelDropout())
         plan = {parent: placements if attention else (ParallelRegionInput(),), **plan}
-    norm = _final_norm(model, prefix)
+    norm = _final_norm(base_model, prefix, pp_plan)
     if norm:
         plan[norm] = SplitAlongSequence(gather_output=True)
-    head = model.get_output_embeddings()
-    if head is None:
-        raise SchedulingError(f"--schedule auto: {name} has no output embeddings (LM head) to split")
-    plan[_path_of(model, head)] = VocabParallelHead()
+    plan[_path(model, "lm_head", "LM head", hf.get_output_embeddings() if hf else None)] = VocabParallelHead()
     return plan
 
 
-def _final_norm(model: PreTrainedModel, prefix: str) -> str | None:
+def _final_norm(base: nn.Module, prefix: str, pp_plan: dict) -> str | None:
     """The module after the layers: the last entry of the config's ``base_model_pp_plan``, or
     (configs without one) the base model's last child named as a norm."""
-    pp_plan = getattr(model.config, "base_model_pp_plan", None) or {}
     last = list(pp_plan)[-1] if pp_plan else None
     if last and last != "layers":
         return f"{prefix}{last}"
-    norms = [name for name, _ in model.base_model.named_children() if "norm" in name or name == "ln_f"]
+    norms = [name for name, _ in base.named_children() if "norm" in name or name == "ln_f"]
     return f"{prefix}{norms[-1]}" if norms else None

@@ -14,7 +14,7 @@ from megatron_slapo.errors import SchedulingError
 from megatron_slapo.parallel.sequence import split_layers
 from megatron_slapo.training.model import transformer_layers
 from schedules import auto
-from tests.distributed.runs import PARITY, assert_parity, single_process_losses, train_losses
+from tests.distributed.runs import PARITY, assert_parity, layout_case, reference_losses, train_losses
 
 # Families whose plans use only the styles auto follows, each a tiny config of the family's defaults:
 # grouped-query attention (2 key/value heads for 4), per-head norms (qwen3), packed q|k|v (gpt_neox), biases (starcoder2).
@@ -60,14 +60,26 @@ def test_a_style_auto_cannot_honour_is_one_error_naming_it(group):
         auto.apply(ms.create_schedule(model, group), config)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "mistral", "starcoder2", "gpt_neox"])
-def test_auto_trains_at_tp2_as_one_process(family, shared_tmp, cache):
-    """pretrain_gpt.py --model-type FAMILY --schedule auto: 10 fp32 steps at TP2 give one process's
-    losses (per-head norms, grouped-query attention, biases, packed q|k|v)."""
-    argv = [*PARITY, "--model-type", family, "--schedule", "auto", "--num-query-groups", "2",
-            "--data-cache-path", cache]  # fmt: skip
-    expected = single_process_losses("gpt", argv, os.path.join(shared_tmp, f"tb-auto-{family}-one"))
-    losses = train_losses(
-        "gpt", [*argv, "--tensor-model-parallel-size", "2"], os.path.join(shared_tmp, f"tb-auto-{family}")
-    )
-    assert_parity(losses, expected, 1e-5)
+TRAINED = ["qwen3", "mistral", "starcoder2", "gpt_neox", "granite"]  # per-head norms, GQA, biases, packed q|k|v
+LAYOUTS = {"tp2": ((2,), ["--tensor-model-parallel-size", "2"]),
+           "tp2-pp2": ((4,), ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(shared_tmp, cache):
+    """One process's losses per family."""
+    return reference_losses(shared_tmp, lambda family: ("gpt", [*_trained(family), "--data-cache-path", cache]))
+
+
+def _trained(family: str) -> list[str]:
+    return [*PARITY, "--model-type", family, "--schedule", "auto", "--num-query-groups", "2"]
+
+
+@pytest.mark.parametrize("family, flags", [layout_case(f, name, sizes, flags)
+                                           for name, (sizes, flags) in LAYOUTS.items() for f in TRAINED])  # fmt: skip
+def test_auto_trains_as_one_process(family, flags, reference, shared_tmp, cache, request):
+    """pretrain_gpt.py --model-type FAMILY --schedule auto: 10 fp32 steps at TP2 and at TP2 x PP2
+    (the pipeline cut through the traced model) give one process's losses."""
+    tb = os.path.join(shared_tmp, f"tb-auto-{request.node.callspec.id}")
+    losses = train_losses("gpt", [*_trained(family), *flags, "--data-cache-path", cache], tb)
+    assert_parity(losses, reference(family), 1e-5)
