@@ -85,10 +85,10 @@ def _adds_positions(base: nn.Module, embedding: nn.Module) -> bool:
     return any(isinstance(m, nn.Embedding) and m is not embedding for m in base.modules())
 
 
-def _path(model: nn.Module, name: str, wanted: str, fallback: nn.Module | None) -> str:
+def _path(model: nn.Module, name: str | None, wanted: str, fallback: nn.Module | None) -> str:
     """The path of module ``name`` in ``model``, else of ``fallback`` (an HF accessor's answer)."""
     modules = dict(model.named_modules())
-    if name in modules:
+    if name and name in modules:
         return name
     found = next((path for path, m in modules.items() if m is fallback), None) if fallback is not None else None
     if found is None:
@@ -113,7 +113,7 @@ def plan_from_hf(model: nn.Module, config: Any) -> dict[str, Any]:
     prefix = base[: -len(layers)]
     pp_plan = getattr(config, "base_model_pp_plan", None) or {}
     hf = model if isinstance(model, PreTrainedModel) else None
-    embedding_path = _path(model, prefix + next(iter(pp_plan), ""), "input embedding",
+    embedding_path = _path(model, prefix + next(iter(pp_plan)) if pp_plan else None, "input embedding",
                            hf.get_input_embeddings() if hf else None)  # fmt: skip
     embedding = model.get_submodule(embedding_path)
     base_model = model.get_submodule(prefix.rstrip(".")) if prefix else model
