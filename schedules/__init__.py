@@ -31,10 +31,8 @@ def get_schedule(name: str) -> ModuleType:
 
 
 def fitting(model_type: str) -> list[str]:
-    """The schedules that can be applied to a model of this HF ``model_type`` (a schedule for any
-    type may say which it fits with ``fits(model_type)``)."""
-    return [name for name, mod in SCHEDULES.items()
-            if model_type in (mod.MODEL_TYPES or ()) or (mod.MODEL_TYPES is None and getattr(mod, "fits", bool)(model_type))]  # fmt: skip
+    """The schedules that can be applied to a model of this HF ``model_type``."""
+    return [name for name, mod in SCHEDULES.items() if mod.MODEL_TYPES is None or model_type in mod.MODEL_TYPES]
 
 
 def _listed(names: tuple[str, ...]) -> str:
@@ -43,14 +41,12 @@ def _listed(names: tuple[str, ...]) -> str:
 
 def check_fits(name: str, model_type: str) -> None:
     """ConfigError (before any model is built) when schedule ``name`` is written for other model types."""
-    if name in fitting(model_type):
-        return
     types = get_schedule(name).MODEL_TYPES
-    what = f"is for {_listed(types)} models" if types else "follows the tensor-parallel plan transformers publishes"
-    raise ConfigError(
-        f"--schedule {name} {what}, not {model_type}{'' if types else ' (it has none)'}; "
-        f"schedules that fit {model_type}: {', '.join(fitting(model_type))}"
-    )
+    if types is not None and model_type not in types:
+        raise ConfigError(
+            f"--schedule {name} is for {_listed(types)} models, not {model_type}; "
+            f"schedules that fit {model_type}: {', '.join(fitting(model_type))}"
+        )
 
 
 def describe() -> str:

@@ -1,6 +1,5 @@
 """Megatron-style tensor parallelism for HF Llama (LlamaForCausalLM), grouped-query attention included."""
 
-from megatron_slapo.kernels.gate_up import FuseGateUp
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
     HeadParallelDropout,
@@ -19,7 +18,8 @@ PLAN = {
     "model.layers.*.self_attn": (ParallelRegionInput(), HeadParallelDropout()),
     "model.layers.*.self_attn.{q,k,v}_proj": ColumnParallel(reduce_input_grad=False),  # kv heads split too
     "model.layers.*.self_attn.o_proj": RowParallel(),
-    "model.layers.*.mlp": FuseGateUp(),  # gate|up as one column-parallel GEMM (stride 2): one all-reduce
+    "model.layers.*.mlp": ParallelRegionInput(),  # and one for gate and up
+    "model.layers.*.mlp.{gate,up}_proj": ColumnParallel(reduce_input_grad=False),
     "model.layers.*.mlp.down_proj": RowParallel(),
     "model.norm": SplitAlongSequence(gather_output=True),  # under --sequence-parallel: split, then gathered
     "lm_head": VocabParallelHead(),

@@ -9,6 +9,7 @@ import transformers
 
 from megatron_slapo import parallel
 from megatron_slapo.training.loop import pretrain
+from schedules import auto
 
 GPT = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
 SIZES = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16"]
@@ -84,8 +85,10 @@ def test_embedded_run_with_a_pretrained_model_keeps_its_shape(tmp_path):
          "schedules that fit gpt2: default, gpt_tp, gpt_fused"),
         ("bert", ["--schedule", "llama_tp", "--model-type", "albert"], "--schedule llama_tp is for llama models, "
          "not albert; schedules that fit albert: default, albert_tp"),
-        ("gpt", ["--schedule", "auto"], "--schedule auto follows the tensor-parallel plan transformers publishes, "
-         "not gpt2 (it has none); schedules that fit gpt2: default, gpt_tp, gpt_fused"),
+        ("gpt", ["--schedule", "auto"], f"--schedule auto is for {', '.join(auto.MODEL_TYPES[:-1])} and "
+         f"{auto.MODEL_TYPES[-1]} models, not gpt2; schedules that fit gpt2: default, gpt_tp, gpt_fused"),
+        ("gpt", ["--schedule", "gpt_fused", "--engine", "fsdp"], "--schedule gpt_fused compiles its layers: compiled "
+         "layers are verified with --engine megatron and ddp, not fsdp"),
         ("gpt", ["--model-type", "no_such_model"], "unknown --model-type 'no_such_model': give one of gpt2, gpt_neo, "
          "opt, llama or a transformers causal-LM model type (e.g. qwen3, mistral)"),
     ],

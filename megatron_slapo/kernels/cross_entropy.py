@@ -52,6 +52,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         if distributed:
             dist.all_reduce(sums, group=group)
         target_logit, sum_exp = sums
+        valid = (target != ignore_index) & (target >= 0) & (target < columns * group_size(group))
+        loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+        if not ctx.needs_input_grad[0]:  # evaluation: no gradient to prepare
+            return loss
         # softmax - one_hot, in fp32 per chunk (the exponentials again: a bf16 copy of them would
         # lose the gradient of confident predictions, 1 - p), stored in the logits' dtype
         grad = torch.empty_like(logits)
@@ -59,9 +63,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             probs = (logits[part].float() - logits_max[part, None]).exp_().div_(sum_exp[part, None])
             probs.scatter_add_(1, local[part, None], -inside[part, None].float())
             grad[part] = probs
-        valid = (target != ignore_index) & (target >= 0) & (target < columns * group_size(group))
         ctx.save_for_backward(grad, valid)
-        return (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):

@@ -5,6 +5,10 @@ fused projection is column-parallel with stride 2 (:class:`FuseGateUp`), so each
 part of gate, then its part of up, and one all-reduce covers the input gradient of both (Megatron's
 ``linear_fc1`` with ``gated_linear_unit``).
 
+Not in ``llama_tp`` by default yet: the DeepSpeed and FSDP engines save and load checkpoints by
+parameter name and tensor, not through the modules' state-dict hooks that keep HF's names here.
+With the megatron and ddp engines it round-trips exactly (``tests/distributed/test_fused_tp.py``).
+
 Nothing changes outside the module: pretrained weights are concatenated into the fused projection,
 ``build`` initialises it as the concatenation of what the two layers would have been initialised to
 and ``Verify`` compares its gradient with theirs (:class:`~megatron_slapo.kernels.fused_rows.FusedRows`), and the

@@ -220,6 +220,12 @@ def _pattern(pattern: str) -> re.Pattern:
     return re.compile("\\.".join(_component(part) for part in pattern.removesuffix("?").split(".")) + "$")
 
 
+def matching(sch: Schedule, pattern: str) -> list[str]:
+    """The paths of ``sch``'s submodules that a plan ``pattern`` matches (see :func:`apply_plan`)."""
+    regex = _pattern(pattern)
+    return [p for p, _ in sch.named_schedules() if p and regex.match(p)]
+
+
 def apply_plan(sch: Schedule, plan: Mapping[str, Placement | tuple[Placement, ...]]) -> list[str]:
     """Apply each placement (or tuple of placements) to every module whose path matches its
     pattern; return the paths.

@@ -99,7 +99,9 @@ class VocabParallelLMLoss:
         shift_labels = shift_labels.to(logits.device)
         losses = vocab_parallel_cross_entropy(logits, shift_labels, self.group, ignore_index)
         if num_items_in_batch is None:
-            return losses.sum() / (shift_labels != ignore_index).sum()
+            vocab = logits.size(-1) * group_size(self.group)
+            counted = (shift_labels != ignore_index) & (shift_labels >= 0) & (shift_labels < vocab)  # as the losses
+            return losses.sum() / counted.sum()
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(losses.device)
         return losses.sum() / num_items_in_batch

@@ -118,6 +118,7 @@ class ReplaceMixin:
                     ("shard", meta.shards),
                     ("checkpoint", meta.checkpointed),
                     ("fork_rng", meta.forked_rng),
+                    ("compile", meta.compiled),
                 )
                 if applied
             ]

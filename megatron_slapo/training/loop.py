@@ -166,12 +166,16 @@ def setup(args: argparse.Namespace) -> Run:
         for path in layers:
             if not sch[path].metadata.compiled:  # a schedule may compile its layers itself (gpt_fused)
                 sch[path].compile()
-    compiled = [path for path, node in sch.named_schedules() if node.metadata.compiled]
-    if compiled:
-        problem = compiler_problem()
-        if problem:
-            raise ConfigError(f"--schedule {args.schedule}{' --compile' if args.compile else ''}: {problem}")
-        print_rank_0(f"> torch.compile (inductor): {len(compiled)} modules, each layer class compiled on first use")
+    backends = {node.metadata.compiled for _, node in sch.named_schedules()} - {None}
+    if backends:
+        why = "--compile" if args.compile else f"--schedule {args.schedule} compiles its layers"
+        if args.engine not in ("megatron", "ddp"):
+            raise ConfigError(f"{why}: compiled layers are verified with --engine megatron and ddp, not {args.engine}")
+        problems = [problem for problem in map(compiler_problem, sorted(backends)) if problem]
+        if problems:
+            raise ConfigError(f"{why}: {problems[0]}")
+        count = sum(1 for _, node in sch.named_schedules() if node.metadata.compiled)
+        print_rank_0(f"> torch.compile ({', '.join(sorted(backends))}): {count} modules, compiled on first use")
     for k in range(1, stages):
         sch[layers[k * len(layers) // stages]].cut_pipeline_stage()
     if layout.tp_size == 1 and shards and world > 1:

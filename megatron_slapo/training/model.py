@@ -81,18 +81,31 @@ def _from_flags(args: argparse.Namespace, vocab: int, tokenizer: Any) -> transfo
 def _scaled_down(
     kind: str, args: argparse.Namespace, vocab: int, ffn: int, eod: int | None
 ) -> transformers.PretrainedConfig:
-    """Any other transformers model type: its config class's defaults, with the size flags in the
-    fields that config has (the standard names: ``hidden_size``, ``num_hidden_layers``, ...)."""
+    """Any other transformers model type: its config class's defaults, with the size flags in its
+    standard fields (``hidden_size``, ``num_hidden_layers``, ... or their aliases), and the optional
+    ones (FFN width, key/value heads, dropout, init) where it has them. No padding id: the
+    end-of-document token must keep its embedding's gradient."""
     cls = transformers.CONFIG_MAPPING[kind]
-    wanted = dict(vocab_size=vocab, hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
-                  num_attention_heads=args.num_attention_heads, intermediate_size=ffn,
-                  num_key_value_heads=args.num_query_groups or args.num_attention_heads,
-                  max_position_embeddings=args.max_position_embeddings, attention_dropout=args.attention_dropout,
-                  hidden_dropout=args.hidden_dropout, initializer_range=args.init_method_std, bos_token_id=eod,
-                  eos_token_id=eod, pad_token_id=eod)  # fmt: skip
-    known = cls().to_dict()
-    config = cls(**{k: v for k, v in wanted.items() if k in known or k in ("vocab_size", "hidden_size")})
-    if getattr(config, "head_dim", None) and "head_dim" in known:  # derived from the width, not the default's
+    default = cls()
+    if getattr(default, "sub_configs", None):
+        raise ConfigError(f"--model-type {kind} is a composite model ({', '.join(default.sub_configs)}): give its "
+                          "text model's type, or --hf-config")  # fmt: skip
+    sizes = dict(
+        vocab_size=vocab,
+        hidden_size=args.hidden_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_attention_heads,
+        max_position_embeddings=args.max_position_embeddings,
+    )
+    missing = [k for k in sizes if not hasattr(default, k)]  # attribute_map aliases count
+    if missing:
+        raise ConfigError(f"--model-type {kind}: its config has no {', '.join(missing)} to take the size flags; "
+                          "give --hf-config instead")  # fmt: skip
+    optional = dict(intermediate_size=ffn, num_key_value_heads=args.num_query_groups or args.num_attention_heads,
+                    attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+                    initializer_range=args.init_method_std, bos_token_id=eod, eos_token_id=eod)  # fmt: skip
+    config = cls(**sizes, **{k: v for k, v in optional.items() if hasattr(default, k)})
+    if getattr(config, "head_dim", None):  # derived from the width, not the default's
         config.head_dim = args.hidden_size // args.num_attention_heads
     return config
 
@@ -111,6 +124,7 @@ def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.Pretr
         args.padded_vocab_size = config.vocab_size
     else:
         config = _from_flags(args, args.padded_vocab_size, tokenizer)
+        check_task_fits(config, args.task, f"--model-type {args.model_type}")
     check_divisible(config, tp)
     if args.seq_length and args.seq_length > getattr(config, "max_position_embeddings", args.seq_length):
         raise ConfigError(

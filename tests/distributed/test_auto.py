@@ -16,11 +16,9 @@ from megatron_slapo.training.model import transformer_layers
 from schedules import auto
 from tests.distributed.runs import PARITY, assert_parity, layout_case, reference_losses, train_losses
 
-# Families whose plans use only the styles auto follows, each a tiny config of the family's defaults:
-# grouped-query attention (2 key/value heads for 4), per-head norms (qwen3), packed q|k|v (gpt_neox), biases (starcoder2).
-FAMILIES = ["llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "starcoder2", "cohere", "cohere2", "smollm3",
-            "gpt_neox", "olmo", "helium", "arcee", "ernie4_5", "exaone", "exaone4", "internlm3", "nemotron", "phi",
-            "seed_oss", "jais2", "nanochat", "cwm", "iquestcoder", "hyperclovax"]  # fmt: skip
+# Every family auto is for, each a tiny config of the family's defaults: grouped-query attention (2
+# key/value heads for 4), per-head norms (qwen3), packed q|k|v (gpt_neox), biases (starcoder2).
+FAMILIES = auto.MODEL_TYPES
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, head_dim=16, pad_token_id=0, bos_token_id=0,
              eos_token_id=0)  # fmt: skip
@@ -36,13 +34,15 @@ def tiny(family: str) -> transformers.PretrainedConfig:
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_auto_matches_the_unscheduled_model(group, family, sequence_parallel):
-    if sequence_parallel and family == "nanochat":
-        pytest.skip("nanochat runs its final norm on the embeddings too: no module ends the split alone")
     config = tiny(family)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     sch = ms.create_schedule(model, group)
+    if sequence_parallel and family in auto.NO_SEQUENCE_PARALLEL:  # refused, with the reason
+        with pytest.raises(SchedulingError, match=f"cannot split {family} along the sequence"):
+            auto.apply(sch, config, argparse.Namespace(sequence_parallel=True))
+        return
     with ms.Verify(sch, [ids], seed=7) as verify:
         auto.apply(sch, config, argparse.Namespace(sequence_parallel=sequence_parallel))
         if sequence_parallel:
@@ -50,6 +50,16 @@ def test_auto_matches_the_unscheduled_model(group, family, sequence_parallel):
     assert verify.report.grads and not verify.report.failures, verify.report.failures
     sharded = [path for path, node in sch.named_schedules() if node.metadata.shards]
     assert len(sharded) >= 4 * config.num_hidden_layers, sharded
+
+
+def test_a_parameter_the_plan_leaves_replicated_in_a_region_is_refused(group):
+    """Phi with q/k layer norms: they see this rank's heads only, and the plan says nothing of them."""
+    config = tiny("phi")
+    config.qk_layernorm = True
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(SchedulingError, match=r"model.layers.0.self_attn.q_layernorm.weight is replicated inside"):
+        auto.apply(ms.create_schedule(model, group), config)
 
 
 def test_a_style_auto_cannot_honour_is_one_error_naming_it(group):

@@ -197,7 +197,7 @@ def test_hf_export_of_a_tp2_checkpoint_reproduces_the_logits(shared_tmp, cache, 
         assert max_diff(exported(ids).logits, logits) < 1e-5
 
 
-HF_MODELS = {  # schedule -> a model to convert (Llama: llama_tp fuses gate|up, its checkpoint keeps HF's names)
+HF_MODELS = {  # schedule -> a model to convert
     "gpt_tp": lambda: transformers.GPT2LMHeadModel(
         transformers.GPT2Config(vocab_size=1000, n_positions=32, n_embd=32, n_layer=2, n_head=4)),
     "llama_tp": lambda: transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=1000)),
