@@ -89,6 +89,8 @@ def test_embedded_run_with_a_pretrained_model_keeps_its_shape(tmp_path):
          f"{auto.MODEL_TYPES[-1]} models, not gpt2; schedules that fit gpt2: default, gpt_tp, gpt_fused"),
         ("gpt", ["--schedule", "gpt_fused", "--engine", "fsdp"], "--schedule gpt_fused compiles its layers: compiled "
          "layers are verified with --engine megatron and ddp, not fsdp"),
+        ("gpt", ["--model-type", "bert"], "--model-type bert is an encoder: pretrain_gpt.py trains decoder-only "
+         "models (for encoders use pretrain_bert.py)"),
         ("gpt", ["--model-type", "no_such_model"], "unknown --model-type 'no_such_model': give one of gpt2, gpt_neo, "
          "opt, llama or a transformers causal-LM model type (e.g. qwen3, mistral)"),
     ],

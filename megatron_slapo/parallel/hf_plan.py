@@ -156,17 +156,19 @@ def _final_norm(base: nn.Module, prefix: str, pp_plan: dict) -> str | None:
 
 
 def check_regions(sch: Schedule, plan: dict[str, Any]) -> None:
-    """SchedulingError if a parameter inside a tensor-parallel region (an attention block, an MLP)
-    is neither sharded nor tagged for summed gradients: it sees only this rank's heads or features,
-    and the plan says nothing of it (Phi's q/k layer norms, Cohere's per-head norms)."""
+    """SchedulingError if a module inside a tensor-parallel region (an attention block, an MLP) that
+    the plan does not place holds a parameter not tagged for summed gradients: it sees only this
+    rank's heads or features, and the plan says nothing of it (Phi's q/k layer norms)."""
     regions = [
         p for p, v in plan.items() if isinstance(v, tuple) and any(isinstance(x, ParallelRegionInput) for x in v)
     ]
     for pattern in regions:
         for path in matching(sch, pattern):
             for sub, node in sch[path].named_schedules():
+                if node.metadata.shards:  # placed by the plan (a row-parallel bias is added after the reduction)
+                    continue
                 for name, param in node.mod.named_parameters(recurse=False):
-                    if name not in node.metadata.shards and not getattr(param, "sequence_parallel", False):
+                    if not getattr(param, "sequence_parallel", False):
                         where = ".".join(x for x in (path, sub, name) if x)
                         raise SchedulingError(f"--schedule auto: {where} is replicated inside a tensor-parallel "
                                               "region and the plan neither splits it nor sums its gradient")  # fmt: skip

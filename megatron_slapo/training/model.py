@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels import attention
@@ -85,6 +86,9 @@ def _scaled_down(
     standard fields (``hidden_size``, ``num_hidden_layers``, ... or their aliases), and the optional
     ones (FFN width, key/value heads, dropout, init) where it has them. No padding id: the
     end-of-document token must keep its embedding's gradient."""
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES:  # an encoder that HF can also run as a decoder (BERT)
+        raise ConfigError(f"--model-type {kind} is an encoder: pretrain_gpt.py trains decoder-only models (for "
+                          "encoders use pretrain_bert.py)")  # fmt: skip
     cls = transformers.CONFIG_MAPPING[kind]
     default = cls()
     if getattr(default, "sub_configs", None):
@@ -124,7 +128,6 @@ def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.Pretr
         args.padded_vocab_size = config.vocab_size
     else:
         config = _from_flags(args, args.padded_vocab_size, tokenizer)
-        check_task_fits(config, args.task, f"--model-type {args.model_type}")
     check_divisible(config, tp)
     if args.seq_length and args.seq_length > getattr(config, "max_position_embeddings", args.seq_length):
         raise ConfigError(
