@@ -285,12 +285,23 @@ def causal_lm_types() -> set[str]:
     return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def encoder_types() -> set[str]:
+    """The model types transformers has a masked-LM class for (encoders, BERT's kind)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return set(MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Raise one ConfigError for the first contradiction among the arguments and the world size."""
     _check_ranges(args)
-    if args.task == "gpt" and args.model_type not in GPT_MODEL_TYPES and args.model_type not in causal_lm_types():
-        raise ConfigError(f"unknown --model-type {args.model_type!r}: give one of {', '.join(GPT_MODEL_TYPES)} or a "
-                          "transformers causal-LM model type (e.g. qwen3, mistral)")  # fmt: skip
+    if args.task == "gpt" and args.model_type not in GPT_MODEL_TYPES:
+        if args.model_type in encoder_types():  # HF can run some encoders as decoders; Megatron's GPT is causal
+            raise ConfigError(f"--model-type {args.model_type} is an encoder: pretrain_gpt.py trains decoder-only "
+                              "models (for encoders use pretrain_bert.py)")  # fmt: skip
+        if args.model_type not in causal_lm_types():
+            raise ConfigError(f"unknown --model-type {args.model_type!r}: give one of {', '.join(GPT_MODEL_TYPES)} or "
+                              "a transformers causal-LM model type (e.g. qwen3, mistral)")  # fmt: skip
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")

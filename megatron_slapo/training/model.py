@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
-from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels import attention
@@ -86,9 +85,6 @@ def _scaled_down(
     standard fields (``hidden_size``, ``num_hidden_layers``, ... or their aliases), and the optional
     ones (FFN width, key/value heads, dropout, init) where it has them. No padding id: the
     end-of-document token must keep its embedding's gradient."""
-    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES:  # an encoder that HF can also run as a decoder (BERT)
-        raise ConfigError(f"--model-type {kind} is an encoder: pretrain_gpt.py trains decoder-only models (for "
-                          "encoders use pretrain_bert.py)")  # fmt: skip
     cls = transformers.CONFIG_MAPPING[kind]
     default = cls()
     if getattr(default, "sub_configs", None):
