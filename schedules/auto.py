@@ -1,12 +1,13 @@
 """Megatron-style tensor parallelism from the TP plan transformers publishes (the families verified).
 
 Reads ``base_model_tp_plan`` (see ``megatron_slapo/parallel/hf_plan.py``): one input-gradient
-all-reduce per attention block and per MLP, vocabulary-parallel embedding, LM head and loss.
+all-reduce per attention block and per MLP, every expert of an MoE block split by its features
+(``parallel/experts.py``), vocabulary-parallel embedding, LM head and loss. Without ``--schedule``,
+the families listed here that have no schedule of their own get this one.
 """
 
 from typing import Any
 
-from megatron_slapo.errors import SchedulingError
 from megatron_slapo.kernels.drop_in import swap_in_kernels
 from megatron_slapo.parallel.hf_plan import check_regions, plan_from_hf
 from megatron_slapo.parallel.plans import apply_plan
@@ -18,16 +19,13 @@ from megatron_slapo.schedule import Schedule
 # model (codegen packs q|v|k in blocks that a plain column split cuts through).
 MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "starcoder2", "cohere", "cohere2",
                "smollm3", "gpt_neox", "olmo", "helium", "arcee", "ernie4_5", "exaone", "exaone4", "internlm3",
-               "nemotron", "phi", "seed_oss", "jais2", "nanochat", "cwm", "iquestcoder", "hyperclovax")  # fmt: skip
-NO_SEQUENCE_PARALLEL = {"nanochat": "it runs its final norm on the embeddings too: no module ends the split alone"}
+               "nemotron", "phi", "seed_oss", "jais2", "nanochat", "cwm", "iquestcoder", "hyperclovax",
+               "mixtral", "qwen3_moe", "qwen2_moe", "minimax", "ernie4_5_moe", "glm4_moe")  # fmt: skip
 
 
 def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
     config = config or sch.mod.config
-    why = NO_SEQUENCE_PARALLEL.get(config.model_type)
-    if why and getattr(args, "sequence_parallel", False):
-        raise SchedulingError(f"--schedule auto cannot split {config.model_type} along the sequence: {why}")
-    plan = plan_for(plan_from_hf(sch.mod, config), args)
+    plan = plan_for(plan_from_hf(sch.mod, config, getattr(args, "sequence_parallel", False)), args)
     apply_plan(sch, plan)
     check_regions(sch, plan)
     swap_in_kernels(sch)

@@ -241,3 +241,41 @@ def test_the_arguments_are_printed_as_megatron_does(capsys):
     assert f"  seed {'.' * 44} 7" in lines and f"  micro_batch_size {'.' * 32} 2" in lines
     body = lines[1:-1]
     assert body == sorted(body, key=str.lower) and len(body) > 50
+
+
+def _config(*extra):
+    from megatron_slapo.data.tokenizers import build_tokenizer
+    from megatron_slapo.training.model import build_config
+
+    args = args_for(*extra, world=1)
+    return build_config(args, build_tokenizer("NullTokenizer", None, None, None, 100))
+
+
+def test_moe_flags_shape_the_experts_of_an_moe_family():
+    config = _config("--model-type", "qwen3_moe", "--num-experts", "4", "--moe-router-topk", "2")
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 256)  # 4 x h
+    config = _config("--model-type", "mixtral", "--num-experts", "6", "--ffn-hidden-size", "96")
+    assert (config.num_local_experts, config.intermediate_size) == (6, 96)  # its experts are the FFN
+    assert config.pad_token_id is None  # no default padding id (smollm3's lies beyond a small vocabulary)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--model-type", "llama", "--num-experts", "4"], "--num-experts shapes the experts of an MoE --model-type"),
+        (["--hf-config", "gpt2", "--moe-router-topk", "2"], "--moe-router-topk shapes the experts"),
+        (["--model-type", "qwen3", "--num-experts", "4"], "the qwen3 config has no num_local_experts or num_experts"),
+        (["--model-type", "mixtral", "--moe-ffn-hidden-size", "32"], "the mixtral config has no moe_intermediate_size"),
+    ],
+)
+def test_moe_flags_for_a_model_without_such_experts_are_refused(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        _config(*extra)
+
+
+def test_without_schedule_a_family_auto_is_verified_on_gets_auto():
+    from schedules import default_for
+
+    assert default_for("qwen3") == default_for("mixtral") == "auto"  # verified, nothing written by hand
+    assert default_for("llama") == default_for("gpt2") == "default"  # a schedule of their own: chosen by name
+    assert default_for("codegen") == "default"  # auto is not verified on it

@@ -32,3 +32,17 @@ def test_a_layer_shared_across_depth_counts_once_per_use():
     (one, shared), (two, _), (four, _) = count(1), count(2), count(4)
     assert abs((four - two) - 2 * (two - one)) < 1e-6 * four
     assert two - one > 6 * shared
+
+
+def test_moe_experts_count_once_per_token_and_chosen_expert():
+    """HF's MoE experts run as grouped GEMMs; each extra expert per token adds its 3 projections
+    (gate, up: h x f; down: f x h) for every token, forward and backward: 3 x 2 x 3 h f per layer."""
+    L, h, f = 2, 64, 32
+
+    def count(top_k: int) -> float:
+        config = transformers.Qwen3MoeConfig(num_hidden_layers=L, hidden_size=h, moe_intermediate_size=f,
+                                             num_experts=8, num_experts_per_tok=top_k, num_attention_heads=4,
+                                             num_key_value_heads=2, head_dim=16, vocab_size=256)  # fmt: skip
+        return flops_per_token(transformers.AutoModelForCausalLM, config, S)
+
+    assert abs((count(3) - count(2)) - 3 * 2 * 3 * h * f * L) < 1e-6 * count(3)

@@ -69,3 +69,22 @@ def test_register_primitive_and_duplicate_check():
         registry._PRIMITIVES.pop("count_params", None)
         if hasattr(ms.Schedule, "count_params"):
             delattr(ms.Schedule, "count_params")
+
+
+def test_auto_honours_the_styles_of_nine_in_ten_plan_entries_transformers_ships():
+    """Counted over every config class transformers publishes a TP plan for, as installed; the
+    families trained against one process (tests/distributed/test_auto.py) use every style honoured."""
+    from transformers import CONFIG_MAPPING
+
+    from megatron_slapo.parallel.hf_plan import STYLES
+    from tests.distributed.test_auto import TRAINED
+
+    def styles(family: str) -> list[str]:
+        return list((getattr(CONFIG_MAPPING[family], "base_model_tp_plan", None) or {}).values())
+
+    entries = [style for family in CONFIG_MAPPING for style in styles(family)]
+    honoured = sum(style in STYLES for style in entries)
+    assert honoured >= 0.9 * len(entries), (honoured, len(entries))
+    trained = {style for family in TRAINED for style in styles(family)}
+    assert trained - set(STYLES) == {"embedding_rowwise"}  # the input embedding's, vocabulary-parallel anyway
+    assert set(STYLES) <= trained

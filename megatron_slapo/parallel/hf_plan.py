@@ -9,6 +9,9 @@ placements, with Megatron's collectives:
   parent (the attention module, the MLP) is one :class:`ParallelRegionInput`, so q, k and v (or
   gate and up) share one input-gradient all-reduce, as in Megatron;
 - ``rowwise`` layers are :class:`RowParallel` (all-reduce of the output, then the bias);
+- ``moe_tp_experts`` modules (with their ``packed_colwise`` gate|up and ``rowwise`` down weights) are
+  :class:`~megatron_slapo.parallel.experts.TensorParallelExperts`: every expert split by its
+  features, one reduction per MoE block, the router replicated;
 - ``replicated_with_grad_allreduce`` parameters (Qwen3's per-head q/k norms) see only this rank's
   heads: their gradients are partial sums, tagged as Megatron tags such parameters
   (``sequence_parallel``), so every engine sums them over the tensor-parallel ranks;
@@ -19,7 +22,10 @@ placements, with Megatron's collectives:
   generically: integer attributes named like head or width counts whose value is the config's),
   and their attention-probability dropout on the model-parallel RNG stream.
 
-A style this translation cannot honour is one error naming the module pattern and the style.
+A style this translation cannot honour is one error naming the module pattern and the style. A
+pattern naming a module this configuration lacks (the dense MLP of a model whose layers are all
+MoE) is left out; a region is the modules that hold the column-parallel layers, so an MoE model
+whose first layers are dense gets regions in those layers only.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from megatron_slapo.errors import SchedulingError
+from megatron_slapo.parallel.experts import TensorParallelExperts
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
     HeadParallelDropout,
@@ -38,6 +45,7 @@ from megatron_slapo.parallel.plans import (
     RowParallel,
     VocabParallelEmbedding,
     VocabParallelHead,
+    compile_pattern,
     matching,
 )
 from megatron_slapo.parallel.sequence import SplitAlongSequence
@@ -46,7 +54,17 @@ from megatron_slapo.primitives.attention_core import core_kind
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
 
-STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")  # what plan_from_hf honours
+# The styles plan_from_hf honours
+STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_experts", "packed_colwise")
+# Under --sequence-parallel, the dim a region gathers and its row-parallel layers scatter: the one
+# before the features, the sequence of (batch, sequence, features) and the tokens of (tokens, features)
+# (an MoE block's shared experts see the tokens flattened; each rank's come whole, in order)
+ROWS = -2
+# Families whose plan cannot run split along the sequence (--sequence-parallel), and why
+NO_SEQUENCE_PARALLEL = {
+    "nanochat": "it runs its final norm on the embeddings too: no module ends the split alone",
+    "minimax": "its plan leaves the lightning-attention layers whole, and they mix the tokens of the whole sequence",
+}
 # Attributes an attention module may size its reshapes from, and the config fields they mirror
 HEAD_ATTRS = {
     "num_heads": "num_attention_heads", "num_attention_heads": "num_attention_heads", "n_heads": "num_attention_heads",
@@ -97,11 +115,14 @@ def _path(model: nn.Module, name: str | None, wanted: str, fallback: nn.Module |
     return found
 
 
-def plan_from_hf(model: nn.Module, config: Any) -> dict[str, Any]:
+def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False) -> dict[str, Any]:
     """This project's plan (see :func:`~megatron_slapo.parallel.plans.apply_plan`) for ``model``
     (an HF model, or its root traced for pipeline stages), from ``config.base_model_tp_plan``;
-    SchedulingError for a style it cannot honour."""
+    SchedulingError for a style it cannot honour, or for a family that cannot run split along the
+    sequence when ``sequence_parallel``."""
     kind = config.model_type
+    if sequence_parallel and kind in NO_SEQUENCE_PARALLEL:
+        raise SchedulingError(f"--schedule auto cannot split {kind} along the sequence: {NO_SEQUENCE_PARALLEL[kind]}")
     tp_plan = getattr(config, "base_model_tp_plan", None)
     if not tp_plan:
         raise SchedulingError(f"--schedule auto: the {kind} config publishes no base_model_tp_plan to follow")
@@ -119,30 +140,45 @@ def plan_from_hf(model: nn.Module, config: Any) -> dict[str, Any]:
     embedding = model.get_submodule(embedding_path)
     base_model = model.get_submodule(prefix.rstrip(".")) if prefix else model
     plan: dict[str, Any] = {embedding_path: VocabParallelEmbedding(positions=_adds_positions(base_model, embedding))}
+    present = [p for p, _ in model.named_modules() if p]
+    experts = [prefix + p for p, style in tp_plan.items() if style == "moe_tp_experts"]
     regions: dict[str, None] = {}
     for pattern, style in tp_plan.items():
         path = prefix + pattern
+        if any(path.startswith(e + ".") for e in experts):  # gate_up_proj, down_proj: the experts' weights
+            continue
+        if not any(compile_pattern(path).match(p) for p in present):  # a module this configuration lacks
+            continue  # (the dense MLP of a model whose every layer is sparse)
         if style == "colwise":
             plan[path] = ColumnParallel(reduce_input_grad=False)
-            regions[path.rpartition(".")[0]] = None
+            regions.update(dict.fromkeys(_parents(present, path)))
         elif style == "rowwise":
-            plan[path] = RowParallel()
+            plan[path] = RowParallel(sequence_dim=ROWS)
         elif style == "replicated_with_grad_allreduce":
             plan[path] = PartialGradients()
+        elif style == "moe_tp_experts":
+            plan[path] = TensorParallelExperts()
         elif not (style == "embedding_rowwise" and path == embedding_path):  # that one is ours already
             raise SchedulingError(f"--schedule auto: {kind} plans {pattern!r} as {style!r}, which it cannot honour "
                                   f"yet (it follows {', '.join(STYLES)})")  # fmt: skip
     sample = dict(model.named_modules())
     for parent in regions:  # the first layer's module stands for the pattern's
-        module = sample.get(parent.replace("*", "0"))
-        attention = module is not None and core_kind(module) is not None
-        placements = (ParallelRegionInput(), LocalHeadAttrs(config), HeadParallelDropout())
-        plan = {parent: placements if attention else (ParallelRegionInput(),), **plan}
+        attention = core_kind(sample[next(p for p in present if compile_pattern(parent).match(p))]) is not None
+        region = ParallelRegionInput(sequence_dim=ROWS)
+        plan = {parent: (region, LocalHeadAttrs(config), HeadParallelDropout()) if attention else region, **plan}
     norm = _final_norm(base_model, prefix, pp_plan)
     if norm:
         plan[norm] = SplitAlongSequence(gather_output=True)
     plan[_path(model, "lm_head", "LM head", hf.get_output_embeddings() if hf else None)] = VocabParallelHead()
     return plan
+
+
+def _parents(present: list[str], pattern: str) -> list[str]:
+    """The modules holding those ``pattern`` matches, as one pattern (its parent's) where that
+    matches just them, else as paths: an MoE model may have the dense MLP in some layers only."""
+    regex, parent = compile_pattern(pattern), pattern.rpartition(".")[0]
+    holders = [p.rpartition(".")[0] for p in present if regex.match(p)]
+    return [parent] if holders == [p for p in present if compile_pattern(parent).match(p)] else holders
 
 
 def _final_norm(base: nn.Module, prefix: str, pp_plan: dict) -> str | None:

@@ -88,13 +88,14 @@ class ParallelRegionInput:
     """
 
     sequence_parallel: bool = False
+    sequence_dim: int = 1  # as in ColumnParallel
 
     def apply(self, sch: Schedule) -> None:
         if linear_axes(sch.mod) is not None:
             raise sch._error("ParallelRegionInput is for a module that encloses column-parallel layers, "
                              "not a layer: use ColumnParallel()")  # fmt: skip
         if self.sequence_parallel:
-            sch.sync("fwd_pre", "all_gather", axis=1, backward="reduce_scatter")
+            sch.sync("fwd_pre", "all_gather", axis=self.sequence_dim, backward="reduce_scatter")
         else:
             sch.sync("bwd_post", "all_reduce")
 
@@ -216,13 +217,14 @@ def _component(part: str) -> str:
                    for i, p in enumerate(pieces))  # fmt: skip
 
 
-def _pattern(pattern: str) -> re.Pattern:
+def compile_pattern(pattern: str) -> re.Pattern:
+    """The regular expression of a plan pattern (see :func:`apply_plan`), matching whole paths."""
     return re.compile("\\.".join(_component(part) for part in pattern.removesuffix("?").split(".")) + "$")
 
 
 def matching(sch: Schedule, pattern: str) -> list[str]:
     """The paths of ``sch``'s submodules that a plan ``pattern`` matches (see :func:`apply_plan`)."""
-    regex = _pattern(pattern)
+    regex = compile_pattern(pattern)
     return [p for p, _ in sch.named_schedules() if p and regex.match(p)]
 
 
@@ -241,7 +243,7 @@ def apply_plan(sch: Schedule, plan: Mapping[str, Placement | tuple[Placement, ..
     regions: list[str] = []
     unreduced: list[str] = []
     for pattern, placements in plan.items():
-        regex = _pattern(pattern)
+        regex = compile_pattern(pattern)
         matched = [p for p in paths if regex.match(p)]
         if not matched and not pattern.endswith("?"):
             raise SchedulingError(f"plan pattern {pattern!r} matches no submodule of {type(sch.mod).__name__}")

@@ -83,6 +83,25 @@ def meta_tracer_fixes() -> Iterator[None]:
             meta_tracer.manual_meta_overrides[torch.where] = where
 
 
+@contextlib.contextmanager
+def experts_on_meta(module: torch.nn.Module) -> Iterator[None]:
+    """HF's MoE experts (mixtral, qwen3_moe, ...) run with the ``batched_mm`` implementation while
+    ``module`` runs on meta tensors: the default ``grouped_mm``'s meta kernel takes only bf16 (and
+    FlopCounterMode counts none of its FLOPs), and ``eager`` branches on which experts are used.
+    ``batched_mm`` has the same shapes and does the same multiplies, each token times its experts."""
+    configs = {
+        id(c): c for m in module.modules() if hasattr(c := getattr(m, "config", None), "_experts_implementation")
+    }
+    before = {key: c._experts_implementation for key, c in configs.items()}
+    for config in configs.values():
+        config._experts_implementation = "batched_mm"
+    try:
+        yield
+    finally:
+        for key, config in configs.items():
+            config._experts_implementation = before[key]
+
+
 def evaluate_on_meta(kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
     """Evaluate a ``call_function`` / ``call_method`` node on meta tensors, real ones moved there."""
     meta_args, meta_kwargs = fx.node.map_aggregate((args, kwargs), all_metas)

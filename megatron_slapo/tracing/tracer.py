@@ -23,7 +23,14 @@ from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput
 
 from megatron_slapo.tracing.guard import CallGuard, TraceError, forward_signature
-from megatron_slapo.tracing.meta_fixes import all_metas, evaluate_on_meta, has_real_tensor, meta_tracer_fixes, metas
+from megatron_slapo.tracing.meta_fixes import (
+    all_metas,
+    evaluate_on_meta,
+    experts_on_meta,
+    has_real_tensor,
+    meta_tracer_fixes,
+    metas,
+)
 from megatron_slapo.tracing.module_shape import graph_module
 
 _ORIGINAL_MODULE_CALL = nn.Module.__call__
@@ -230,8 +237,10 @@ class _Tracer(MetaTracer):
         patched_call = nn.Module.__call__
         self._disable_module_getattr = True
         nn.Module.__call__ = _ORIGINAL_MODULE_CALL
+        leaf = self.meta_root.get_submodule(target)
         try:
-            return self.meta_root.get_submodule(target)(*args, **kwargs)
+            with experts_on_meta(leaf):
+                return leaf(*args, **kwargs)
         finally:
             nn.Module.__call__ = patched_call
             self._disable_module_getattr = False

@@ -22,6 +22,7 @@ GPT_MODEL_TYPES = ("gpt2", "gpt_neo", "opt", "llama")
 BERT_MODEL_TYPES = ("bert", "roberta", "albert")
 
 # The embedded default run (no data flags): a small model that trains in minutes on 2 CPU cores.
+MOE_FLAGS = ("num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_topk")
 # Each value applies only where the user gave no flag of that name; the start of the run lists them.
 EMBEDDED_DEFAULTS = dict(
     num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128, micro_batch_size=8,
@@ -36,6 +37,7 @@ _MINIMUM = dict(
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=1,
     micro_batch_size=1, global_batch_size=1, train_iters=1, seq_length=1, max_position_embeddings=1,
     num_layers=1, hidden_size=1, num_attention_heads=1, num_query_groups=1, ffn_hidden_size=1,
+    num_experts=1, moe_ffn_hidden_size=1, moe_shared_expert_intermediate_size=1, moe_router_topk=1,
     make_vocab_size_divisible_by=1, lr_decay_iters=1, lr_warmup_iters=0, recompute_num_layers=1,
     eval_iters=0, log_interval=1, tensorboard_log_interval=1, save_interval=1, exit_interval=1, num_workers=0,
     max_consecutive_nan_iterations=1, vocab_size=1, lr=0.0, min_lr=0.0, weight_decay=0.0, clip_grad=0.0,
@@ -55,12 +57,21 @@ def _model(p: argparse.ArgumentParser, model_types: Sequence[str]) -> None:
         g.add_argument("--model-type", choices=model_types, default=model_types[0], help="HF model family")
     g.add_argument("--hf-config", help="HF config name or directory (instead of the size flags)")
     g.add_argument("--load-hf", metavar="DIR", help="start from the pretrained HF weights in DIR")
-    g.add_argument("--schedule", default="default", help="schedules/NAME.py to apply; 'list' prints them")
+    g.add_argument("--schedule", help="schedules/NAME.py to apply; 'list' prints them (default: auto for a family "
+                                      "it is verified on without a schedule of its own, else default)")  # fmt: skip
     g.add_argument("--num-layers", type=int)
     g.add_argument("--hidden-size", type=int)
     g.add_argument("--num-attention-heads", type=int)
     g.add_argument("--num-query-groups", type=int, help="key/value heads (grouped-query attention)")
     g.add_argument("--ffn-hidden-size", type=int, help="default: 4 x hidden size")
+    g.add_argument("--num-experts", type=int, help="experts per MoE layer (--model-type of an MoE family)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, help="each expert's FFN width (default: --ffn-hidden-size)")
+    g.add_argument(
+        "--moe-shared-expert-intermediate-size",
+        type=int,
+        help="the shared experts' FFN width, for families that have them (default: --moe-ffn-hidden-size)",
+    )
+    g.add_argument("--moe-router-topk", type=int, help="experts per token (default: the family's)")
     g.add_argument("--seq-length", type=int)
     g.add_argument("--max-position-embeddings", type=int, help="default: --seq-length")
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -302,6 +313,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         if args.model_type not in causal_lm_types():
             raise ConfigError(f"unknown --model-type {args.model_type!r}: give one of {', '.join(GPT_MODEL_TYPES)} or "
                               "a transformers causal-LM model type (e.g. qwen3, mistral)")  # fmt: skip
+    moe = [name for name in MOE_FLAGS if getattr(args, name, None) is not None]
+    if moe and (args.load_hf or args.hf_config or args.model_type in (*GPT_MODEL_TYPES, *BERT_MODEL_TYPES)):
+        raise ConfigError(f"--{moe[0].replace('_', '-')} shapes the experts of an MoE --model-type built from the "
+                          "size flags (mixtral, qwen3_moe, ...), not of this model")  # fmt: skip
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
         raise ConfigError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")

@@ -14,6 +14,8 @@ import torch
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
+from megatron_slapo.tracing.meta_fixes import experts_on_meta
+
 # Dense bf16 peak TFLOP/s by device name fragment (the MFU denominator, as torchtitan uses).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
 
@@ -23,7 +25,7 @@ def flops_per_token(auto_class: type, config: transformers.PretrainedConfig, seq
     with torch.device("meta"):
         model = auto_class.from_config(config)
     ids = torch.zeros(1, seq_length, dtype=torch.long, device="meta")
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), experts_on_meta(model), FlopCounterMode(display=False) as counter:
         model(input_ids=ids)
     return 3 * counter.get_total_flops() / seq_length
 

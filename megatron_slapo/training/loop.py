@@ -51,7 +51,7 @@ from megatron_slapo.training.model import (
 from megatron_slapo.training.reporting import Reporter, log_engine_memory
 from megatron_slapo.training.tasks import BERTTask, GPTTask
 from megatron_slapo.training.trainer_args import print_arguments
-from schedules import check_fits, describe, get_schedule
+from schedules import check_fits, default_for, describe, get_schedule
 
 
 class TrainingStopped(RuntimeError):
@@ -106,7 +106,10 @@ def setup(args: argparse.Namespace) -> Run:
     world = int(os.environ.get("WORLD_SIZE", 1))
     validate_args(args, world)
     check_attention_backend(args)
-    schedule = get_schedule(args.schedule)
+    if args.schedule is None and not (args.load_hf or args.hf_config):
+        args.schedule = default_for(args.model_type)  # else the type is the config's, read below
+    if args.schedule is not None:
+        get_schedule(args.schedule)  # an unknown name is refused before the process groups start
     print_arguments(args)
     parallel.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=args.seed,
                         timeout_minutes=args.distributed_timeout_minutes)  # fmt: skip
@@ -117,6 +120,10 @@ def setup(args: argparse.Namespace) -> Run:
         args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model, args.vocab_size
     )
     config = build_config(args, tokenizer)
+    if args.schedule is None:
+        args.schedule = default_for(config.model_type)
+        print_rank_0(f" > schedule: {args.schedule} (the default for {config.model_type})")
+    schedule = get_schedule(args.schedule)
     check_fits(args.schedule, config.model_type)
     if args.seq_length is None:
         args.seq_length = config.max_position_embeddings

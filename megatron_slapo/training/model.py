@@ -105,9 +105,38 @@ def _scaled_down(
                     attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
                     initializer_range=args.init_method_std, bos_token_id=eod, eos_token_id=eod)  # fmt: skip
     config = cls(**sizes, **{k: v for k, v in optional.items() if hasattr(default, k)})
+    if getattr(config, "pad_token_id", None) is not None:  # a default's id may even lie beyond the vocabulary
+        config.pad_token_id = None
     if getattr(config, "head_dim", None):  # derived from the width, not the default's
         config.head_dim = args.hidden_size // args.num_attention_heads
+    _set_experts(config, args, ffn)
     return config
+
+
+# Megatron's MoE flags -> the config fields (or attribute_map aliases) that families name them by
+_MOE_FIELDS = {
+    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+    "moe_router_topk": ("num_experts_per_tok",),
+    "moe_ffn_hidden_size": ("moe_intermediate_size",),
+    "moe_shared_expert_intermediate_size": ("shared_expert_intermediate_size",),
+}
+
+
+def _set_experts(config: transformers.PretrainedConfig, args: argparse.Namespace, ffn: int) -> None:
+    """The MoE flags into an MoE family's config: the experts' widths scale with the model (each
+    expert as wide as --ffn-hidden-size unless told), their count and top-k are the family's unless told.
+    A flag the family has no field for is refused: it would otherwise be silently ignored."""
+    width = args.moe_ffn_hidden_size or ffn
+    values = dict(num_experts=args.num_experts, moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=width,
+                  moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size or width)  # fmt: skip
+    for flag, fields in _MOE_FIELDS.items():
+        field = next((f for f in fields if hasattr(config, f)), None)
+        given = getattr(args, flag, None) is not None
+        if field is not None and values[flag] is not None:
+            setattr(config, field, values[flag])
+        elif given:
+            raise ConfigError(f"--{flag.replace('_', '-')}: the {config.model_type} config has no "
+                              f"{' or '.join(fields)} to take it")  # fmt: skip
 
 
 def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.PretrainedConfig:

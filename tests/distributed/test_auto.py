@@ -6,22 +6,27 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 from transformers import CONFIG_MAPPING
 
 import megatron_slapo as ms
 from megatron_slapo.errors import SchedulingError
+from megatron_slapo.parallel.collectives import gather_tensor
+from megatron_slapo.parallel.hf_plan import NO_SEQUENCE_PARALLEL
 from megatron_slapo.parallel.sequence import split_layers
 from megatron_slapo.training.model import transformer_layers
-from schedules import auto
+from schedules import auto, llama_tp
 from tests.distributed.runs import PARITY, assert_parity, layout_case, reference_losses, train_losses
+from tests.utils import max_diff
 
 # Every family auto is for, each a tiny config of the family's defaults: grouped-query attention (2
 # key/value heads for 4), per-head norms (qwen3), packed q|k|v (gpt_neox), biases (starcoder2).
 FAMILIES = auto.MODEL_TYPES
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64, head_dim=16, pad_token_id=0, bos_token_id=0,
-             eos_token_id=0)  # fmt: skip
+             eos_token_id=0, num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=32, n_group=1, topk_group=1)  # fmt: skip
 
 
 def tiny(family: str) -> transformers.PretrainedConfig:
@@ -39,7 +44,7 @@ def test_auto_matches_the_unscheduled_model(group, family, sequence_parallel):
         model = transformers.AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     sch = ms.create_schedule(model, group)
-    if sequence_parallel and family in auto.NO_SEQUENCE_PARALLEL:  # refused, with the reason
+    if sequence_parallel and family in NO_SEQUENCE_PARALLEL:  # refused, with the reason
         with pytest.raises(SchedulingError, match=f"cannot split {family} along the sequence"):
             auto.apply(sch, config, argparse.Namespace(sequence_parallel=True))
         return
@@ -50,6 +55,49 @@ def test_auto_matches_the_unscheduled_model(group, family, sequence_parallel):
     assert verify.report.grads and not verify.report.failures, verify.report.failures
     sharded = [path for path, node in sch.named_schedules() if node.metadata.shards]
     assert len(sharded) >= 4 * config.num_hidden_layers, sharded
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+def test_auto_places_llama_as_its_hand_written_schedule_does(group, sequence_parallel):
+    """From HF's plan, the shards (parameter, axis, stride, shape) and collectives of llama_tp, the
+    schedule written by hand for Llama (test_comm_log.py counts their bytes per step: equal too)."""
+    config, args = tiny("llama"), argparse.Namespace(sequence_parallel=sequence_parallel)
+    placements = []
+    for schedule in (llama_tp, auto):
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        sch = ms.create_schedule(model, group)
+        schedule.apply(sch, config, args)
+        placements.append({path: (node.metadata.shards, node.metadata.syncs, node.metadata.sequence_split)
+                           for path, node in sch.named_schedules() if node.metadata.shards or node.metadata.syncs})  # fmt: skip
+        placements.append(
+            {name: (p.shape, getattr(p, "sequence_parallel", False)) for name, p in model.named_parameters()}
+        )
+    assert placements[0] == placements[2] and placements[1] == placements[3]
+    # per layer q, k, v, o, gate, up, down and the two blocks; the embedding, the head (and the final norm's gather)
+    assert len(placements[0]) == 9 * config.num_hidden_layers + 2 + sequence_parallel
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mixtral"])
+def test_auto_on_pretrained_weights_reproduces_the_logits(group, rank, family, tmp_path_factory):
+    """save_pretrained weights (of a dense and of an MoE family), scheduled by auto at TP2: the
+    logits, gathered along the vocabulary, are the original model's (tools/convert_checkpoint.py's
+    round trip of the same weights is in test_trainer.py)."""
+    config = tiny(family)
+    torch.manual_seed(0)
+    original = transformers.AutoModelForCausalLM.from_config(config).eval()
+    path = [str(tmp_path_factory.mktemp(family)) if rank == 0 else None]
+    if rank == 0:
+        original.save_pretrained(path[0])
+    dist.broadcast_object_list(path, src=0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path[0]).eval()
+    sch = ms.create_schedule(model, group)
+    auto.apply(sch, model.config)
+    ms.build(sch)  # pretrained weights are real: build keeps them
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = gather_tensor(model(ids).logits, -1, group)
+        assert max_diff(logits, original(ids).logits) < 1e-5
 
 
 def test_a_parameter_the_plan_leaves_replicated_in_a_region_is_refused(group):
@@ -70,9 +118,17 @@ def test_a_style_auto_cannot_honour_is_one_error_naming_it(group):
         auto.apply(ms.create_schedule(model, group), config)
 
 
-TRAINED = ["qwen3", "mistral", "starcoder2", "gpt_neox", "granite"]  # per-head norms, GQA, biases, packed q|k|v
-LAYOUTS = {"tp2": ((2,), ["--tensor-model-parallel-size", "2"]),
-           "tp2-pp2": ((4,), ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])}  # fmt: skip
+# Trained 10 steps against one process: GQA everywhere (--num-query-groups 2), per-head norms (qwen3,
+# qwen3_moe, exaone4), biases (starcoder2, qwen2), packed q|k|v (gpt_neox), parallel attention and MLP (phi),
+# experts (mixtral; qwen3_moe; glm4_moe, whose first layer is dense and whose shared experts are split).
+# Together they use every style auto honours: colwise, rowwise, replicated_with_grad_allreduce,
+# moe_tp_experts and packed_colwise, 91% of the entries of all the plans transformers ships.
+TRAINED = ["qwen3", "mistral", "starcoder2", "gpt_neox", "granite", "llama", "qwen2", "exaone4", "olmo", "phi",
+           "nemotron", "smollm3", "mixtral", "qwen3_moe", "glm4_moe"]  # fmt: skip
+PIPELINED = ["qwen3", "mistral", "starcoder2", "gpt_neox", "granite", "qwen3_moe"]
+EXPERTS = {"mixtral": [], "qwen3_moe": ["--moe-ffn-hidden-size", "32"], "glm4_moe": ["--moe-ffn-hidden-size", "32"]}
+LAYOUTS = {"tp2": ((2,), ["--tensor-model-parallel-size", "2"], TRAINED),
+           "tp2-pp2": ((4,), ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], PIPELINED)}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +138,13 @@ def reference(shared_tmp, cache):
 
 
 def _trained(family: str) -> list[str]:
-    return [*PARITY, "--model-type", family, "--schedule", "auto", "--num-query-groups", "2"]
+    experts = ["--num-experts", "4", "--moe-router-topk", "2", *EXPERTS[family]] if family in EXPERTS else []
+    fast = ["--lr", "1e-2", "--min-lr", "1e-3"]  # enough to learn in 10 steps (qwen3_moe's router starts at zero)
+    return [*PARITY, *fast, "--model-type", family, "--schedule", "auto", "--num-query-groups", "2", *experts]
 
 
 @pytest.mark.parametrize("family, flags", [layout_case(f, name, sizes, flags)
-                                           for name, (sizes, flags) in LAYOUTS.items() for f in TRAINED])  # fmt: skip
+                                           for name, (sizes, flags, families) in LAYOUTS.items() for f in families])  # fmt: skip
 def test_auto_trains_as_one_process(family, flags, reference, shared_tmp, cache, request):
     """pretrain_gpt.py --model-type FAMILY --schedule auto: 10 fp32 steps at TP2 and at TP2 x PP2
     (the pipeline cut through the traced model) give one process's losses."""

@@ -41,6 +41,7 @@ SCHEDULES = {  # schedule -> (task, flags)
     "gpt_neo_tp": ("gpt", ["--model-type", "gpt_neo"]),
     "opt_tp": ("gpt", ["--model-type", "opt"]),
     "llama_tp": ("gpt", ["--model-type", "llama", "--num-query-groups", "2"]),
+    "auto": ("gpt", ["--model-type", "llama", "--num-query-groups", "2"]),  # what llama_tp moves, from HF's plan
     "bert_tp": ("bert", []),
 }
 
@@ -93,10 +94,10 @@ def test_tp2_sequence_parallel_bytes_per_step_equal_megatrons_count(schedule, sh
     measured = {op: last_rank_value(lambda op=op: tb_scalars(tb, f"comm-bytes/{op}[tp]"))
                 for op in ("all_reduce", "all_gather_single", "reduce_scatter_single")}  # fmt: skip
     activation, loss = micro * b * s * h * fp32, micro * 3 * b * s * fp32
-    positions = schedule != "llama_tp"
+    positions = schedule not in ("llama_tp", "auto")
     split_weights = {  # per layer: norms and row-parallel biases; then the modules after the layers
         "gpt_tp": layers * 6 * h + 2 * h, "gpt_neo_tp": layers * 6 * h + 2 * h, "opt_tp": layers * 6 * h + 2 * h,
-        "llama_tp": layers * 2 * h + h, "bert_tp": layers * 6 * h + (h * h + h) + 2 * h,
+        "llama_tp": layers * 2 * h + h, "auto": layers * 2 * h + h, "bert_tp": layers * 6 * h + (h * h + h) + 2 * h,
     }[schedule]  # fmt: skip
     pooler = schedule == "bert_tp"
     expected = {

@@ -197,22 +197,26 @@ def test_hf_export_of_a_tp2_checkpoint_reproduces_the_logits(shared_tmp, cache, 
         assert max_diff(exported(ids).logits, logits) < 1e-5
 
 
-HF_MODELS = {  # schedule -> a model to convert
-    "gpt_tp": lambda: transformers.GPT2LMHeadModel(
-        transformers.GPT2Config(vocab_size=1000, n_positions=32, n_embd=32, n_layer=2, n_head=4)),
-    "llama_tp": lambda: transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=1000)),
-    "auto": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+HF_MODELS = {  # case -> (schedule, a model to convert)
+    "gpt_tp": ("gpt_tp", lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=1000, n_positions=32, n_embd=32, n_layer=2, n_head=4))),
+    "llama_tp": ("llama_tp", lambda: transformers.LlamaForCausalLM(tiny_llama_config(vocab_size=1000))),
+    "auto-qwen3": ("auto", lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64)),
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64))),
+    "auto-mixtral": ("auto", lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(  # 3-D expert weights
+        vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, max_position_embeddings=64))),
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("schedule", HF_MODELS)
-def test_hf_to_tp2_checkpoint_and_back(schedule, shared_tmp, rank):
-    original_dir, ck, back = (os.path.join(shared_tmp, f"{n}-{schedule}") for n in ("hf-orig", "ck-from-hf", "hf-back"))
+@pytest.mark.parametrize("case", HF_MODELS)
+def test_hf_to_tp2_checkpoint_and_back(case, shared_tmp, rank):
+    schedule, make = HF_MODELS[case]
+    original_dir, ck, back = (os.path.join(shared_tmp, f"{n}-{case}") for n in ("hf-orig", "ck-from-hf", "hf-back"))
     if rank == 0:
         torch.manual_seed(0)
-        HF_MODELS[schedule]().save_pretrained(original_dir)
+        make().save_pretrained(original_dir)
     dist.barrier()
     convert_checkpoint.main(["from-hf", "--load-hf", original_dir, "--save", ck, "--schedule", schedule,
                              "--tensor-model-parallel-size", "2"])  # fmt: skip
