@@ -35,11 +35,12 @@ def fitting(model_type: str) -> list[str]:
     return [name for name, mod in SCHEDULES.items() if mod.MODEL_TYPES is None or model_type in mod.MODEL_TYPES]
 
 
-def default_for(model_type: str) -> str:
-    """The schedule a run gets without ``--schedule``: ``auto`` for a family it is verified on that
-    has no hand-written schedule, else ``default`` (the model as it is, data-parallel)."""
+def default_for(model_type: str, tensor_parallel: int) -> str:
+    """The schedule a run gets without ``--schedule``: under tensor parallelism, ``auto`` for a
+    family it is verified on that has no hand-written schedule (those are chosen by name); else
+    ``default`` (the model as it is, data-parallel)."""
     written = any(mod.MODEL_TYPES and model_type in mod.MODEL_TYPES for mod in SCHEDULES.values() if mod is not auto)
-    return "auto" if model_type in auto.MODEL_TYPES and not written else "default"
+    return "auto" if tensor_parallel > 1 and model_type in auto.MODEL_TYPES and not written else "default"
 
 
 def _listed(names: tuple[str, ...]) -> str:

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import transformers
 
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.training.arguments import EMBEDDED_DEFAULTS, parse_args, validate_args
@@ -253,10 +254,18 @@ def _config(*extra):
 
 def test_moe_flags_shape_the_experts_of_an_moe_family():
     config = _config("--model-type", "qwen3_moe", "--num-experts", "4", "--moe-router-topk", "2")
-    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 256)  # 4 x h
+    # each expert 4h x 768/6144 wide, as qwen3_moe's experts are to its FFN
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 32)
+    config = _config("--model-type", "qwen2_moe", "--num-experts", "2", "--moe-ffn-hidden-size", "48")
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (2, 2, 48)  # top-k <= 2
+    assert config.shared_expert_intermediate_size == 256  # as wide as its FFN, as in qwen2_moe
     config = _config("--model-type", "mixtral", "--num-experts", "6", "--ffn-hidden-size", "96")
     assert (config.num_local_experts, config.intermediate_size) == (6, 96)  # its experts are the FFN
-    assert config.pad_token_id is None  # no default padding id (smollm3's lies beyond a small vocabulary)
+
+
+def test_a_family_default_padding_id_is_dropped():
+    assert transformers.SmolLM3Config().pad_token_id is not None  # 128004: beyond a small vocabulary
+    assert _config("--model-type", "smollm3").pad_token_id is None
 
 
 @pytest.mark.parametrize(
@@ -265,17 +274,21 @@ def test_moe_flags_shape_the_experts_of_an_moe_family():
         (["--model-type", "llama", "--num-experts", "4"], "--num-experts shapes the experts of an MoE --model-type"),
         (["--hf-config", "gpt2", "--moe-router-topk", "2"], "--moe-router-topk shapes the experts"),
         (["--model-type", "qwen3", "--num-experts", "4"], "the qwen3 config has no num_local_experts or num_experts"),
-        (["--model-type", "mixtral", "--moe-ffn-hidden-size", "32"], "the mixtral config has no moe_intermediate_size"),
+        (["--model-type", "mixtral", "--num-experts", "4", "--moe-ffn-hidden-size", "32"],
+         r"no moe_intermediate_size to take it \(its experts are --ffn-hidden-size wide\)"),
+        (["--model-type", "qwen3_moe"], "qwen3_moe is a mixture of experts: give --num-experts .the family's 128"),
+        (["--model-type", "mixtral", "--num-experts", "2", "--moe-router-topk", "3"], "topk 3 exceeds --num-experts 2"),
     ],
-)
+)  # fmt: skip
 def test_moe_flags_for_a_model_without_such_experts_are_refused(extra, message):
     with pytest.raises(ConfigError, match=message):
         _config(*extra)
 
 
-def test_without_schedule_a_family_auto_is_verified_on_gets_auto():
+def test_without_schedule_a_family_auto_is_verified_on_gets_auto_under_tensor_parallelism():
     from schedules import default_for
 
-    assert default_for("qwen3") == default_for("mixtral") == "auto"  # verified, nothing written by hand
-    assert default_for("llama") == default_for("gpt2") == "default"  # a schedule of their own: chosen by name
-    assert default_for("codegen") == "default"  # auto is not verified on it
+    assert default_for("qwen3", 2) == default_for("mixtral", 4) == "auto"  # verified, nothing written by hand
+    assert default_for("qwen3", 1) == "default"  # no tensor parallelism: nothing to split
+    assert default_for("llama", 2) == default_for("gpt2", 2) == "default"  # a schedule of their own: chosen by name
+    assert default_for("codegen", 2) == "default"  # auto is not verified on it

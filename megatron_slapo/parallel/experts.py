@@ -10,8 +10,12 @@ experts). :class:`TensorParallelExperts` places it:
 
 - each rank keeps its part of every expert's intermediate features: its rows of gate and of up
   (stride 2, so ``chunk(2)`` in HF's forward still splits gate from up), and the same columns of
-  down. The experts' output on a rank is then a partial sum, all-reduced once per block (Megatron's
-  g); the router stays whole and replicated, as in Megatron;
+  down. The experts' output on a rank is then a partial sum, all-reduced once (Megatron's g); the
+  router stays whole and replicated, as in Megatron (shared experts, where the plan splits them,
+  are a tensor-parallel MLP of their own);
+- the layout is read from the module (what HF's ``use_experts_implementation`` records:
+  transposed, interleaved gate/up), not from the plan's words for its weights, which vary
+  (``packed_colwise``, ``colwise``, ``packed_rowwise``) for the same layout;
 - backward, the gradients of both inputs that carry one (the token rows and the routing weights)
   are partial sums and are all-reduced (Megatron's f, on each). The router's own contribution to the
   hidden states' gradient is whole on every rank, which is why the reduction sits on the experts'
@@ -70,8 +74,14 @@ def _layout(mod: nn.Module) -> tuple[int, int, int]:
         raise ValueError("experts with biases or a norm after each expert are not split yet")
     if not getattr(mod, "has_gate", True) or not isinstance(getattr(mod, "gate_up_proj", None), torch.Tensor):
         raise ValueError("expected gated experts with a packed gate_up_proj weight (HF's layout)")
-    if not isinstance(getattr(mod, "down_proj", None), torch.Tensor) or mod.gate_up_proj.dim() != 3:
+    if not isinstance(getattr(mod, "down_proj", None), torch.Tensor) or {
+        mod.gate_up_proj.dim(),
+        mod.down_proj.dim(),
+    } != {3}:
         raise ValueError("expected 3-D gate_up_proj and down_proj weights (experts x out x in)")
+    gate = getattr(type(mod), "_apply_gate", None)
+    if gate is not None and gate.__name__ != "_default_apply_gate":  # HF's chunk(2): gate half, up half
+        raise ValueError("its own _apply_gate splits gate from up in a way the split does not know")
     transposed = getattr(mod, "is_transposed", False)  # weights stored (experts x in x out)
     stride = 2 if getattr(mod, "is_concatenated", True) else 1  # interleaved gate/up rows split as they are
     return (2 if transposed else 1), (1 if transposed else 2), stride
@@ -91,7 +101,7 @@ class TensorParallelExperts:
             raise sch._error(f"{type(sch.mod).__name__}: {e}") from None
         sch.shard("gate_up_proj", axis=gate_up_axis, stride=stride)
         sch.shard("down_proj", axis=down_axis)
-        sch.mod.register_forward_pre_hook(ExpertsInput(sch.group, self.sequence_parallel), with_kwargs=True)
+        sch.hook("fwd_pre", ExpertsInput(sch.group, self.sequence_parallel), with_kwargs=True)
         # The router's weights, under sequence parallelism, see this rank's tokens: split_layers tags
         # them with the layer's other unsplit parameters.
         sch.sync("fwd_post", "reduce_scatter" if self.sequence_parallel else "all_reduce", axis=TOKENS)

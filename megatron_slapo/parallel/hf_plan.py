@@ -22,10 +22,11 @@ placements, with Megatron's collectives:
   generically: integer attributes named like head or width counts whose value is the config's),
   and their attention-probability dropout on the model-parallel RNG stream.
 
-A style this translation cannot honour is one error naming the module pattern and the style. A
-pattern naming a module this configuration lacks (the dense MLP of a model whose layers are all
-MoE) is left out; a region is the modules that hold the column-parallel layers, so an MoE model
-whose first layers are dense gets regions in those layers only.
+A style this translation cannot honour is one error naming the module pattern and the style. In an
+MoE model a pattern naming a module this configuration lacks (the dense MLP, when every layer is
+sparse) is left out; a region is the modules that hold the column-parallel layers, so an MoE model
+whose first layers are dense gets regions in those layers only. A module the plan does not name
+stays whole on every rank: qwen2_moe's plan leaves its shared expert so.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from megatron_slapo.primitives.attention_core import core_kind
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
 
-# The styles plan_from_hf honours
+# The styles plan_from_hf honours (packed_colwise: an experts module's gate|up weight)
 STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_experts", "packed_colwise")
 # Under --sequence-parallel, the dim a region gathers and its row-parallel layers scatter: the one
 # before the features, the sequence of (batch, sequence, features) and the tokens of (tokens, features)
@@ -147,8 +148,8 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False)
         path = prefix + pattern
         if any(path.startswith(e + ".") for e in experts):  # gate_up_proj, down_proj: the experts' weights
             continue
-        if not any(compile_pattern(path).match(p) for p in present):  # a module this configuration lacks
-            continue  # (the dense MLP of a model whose every layer is sparse)
+        if experts and not any(compile_pattern(path).match(p) for p in present):  # an MoE model's layers may all
+            continue  # be sparse: its dense MLP's patterns match nothing (elsewhere, apply_plan's error stands)
         if style == "colwise":
             plan[path] = ColumnParallel(reduce_input_grad=False)
             regions.update(dict.fromkeys(_parents(present, path)))
@@ -165,7 +166,7 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False)
     for parent in regions:  # the first layer's module stands for the pattern's
         attention = core_kind(sample[next(p for p in present if compile_pattern(parent).match(p))]) is not None
         region = ParallelRegionInput(sequence_dim=ROWS)
-        plan = {parent: (region, LocalHeadAttrs(config), HeadParallelDropout()) if attention else region, **plan}
+        plan = {parent: (region, LocalHeadAttrs(config), HeadParallelDropout()) if attention else (region,), **plan}
     norm = _final_norm(base_model, prefix, pp_plan)
     if norm:
         plan[norm] = SplitAlongSequence(gather_output=True)

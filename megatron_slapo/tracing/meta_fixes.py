@@ -89,9 +89,7 @@ def experts_on_meta(module: torch.nn.Module) -> Iterator[None]:
     ``module`` runs on meta tensors: the default ``grouped_mm``'s meta kernel takes only bf16 (and
     FlopCounterMode counts none of its FLOPs), and ``eager`` branches on which experts are used.
     ``batched_mm`` has the same shapes and does the same multiplies, each token times its experts."""
-    configs = {
-        id(c): c for m in module.modules() if hasattr(c := getattr(m, "config", None), "_experts_implementation")
-    }
+    configs = {id(m.config): m.config for m in module.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "config")}
     before = {key: c._experts_implementation for key, c in configs.items()}
     for config in configs.values():
         config._experts_implementation = "batched_mm"

@@ -22,7 +22,9 @@ GPT_MODEL_TYPES = ("gpt2", "gpt_neo", "opt", "llama")
 BERT_MODEL_TYPES = ("bert", "roberta", "albert")
 
 # The embedded default run (no data flags): a small model that trains in minutes on 2 CPU cores.
+# Megatron's MoE flags: they shape the experts of an MoE --model-type built from the size flags
 MOE_FLAGS = ("num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_topk")
+
 # Each value applies only where the user gave no flag of that name; the start of the run lists them.
 EMBEDDED_DEFAULTS = dict(
     num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128, micro_batch_size=8,
@@ -57,19 +59,24 @@ def _model(p: argparse.ArgumentParser, model_types: Sequence[str]) -> None:
         g.add_argument("--model-type", choices=model_types, default=model_types[0], help="HF model family")
     g.add_argument("--hf-config", help="HF config name or directory (instead of the size flags)")
     g.add_argument("--load-hf", metavar="DIR", help="start from the pretrained HF weights in DIR")
-    g.add_argument("--schedule", help="schedules/NAME.py to apply; 'list' prints them (default: auto for a family "
-                                      "it is verified on without a schedule of its own, else default)")  # fmt: skip
+    g.add_argument("--schedule", help="schedules/NAME.py to apply; 'list' prints them (default: under TP, auto for a "
+                                      "family it is verified on without a schedule of its own, else default)")  # fmt: skip
     g.add_argument("--num-layers", type=int)
     g.add_argument("--hidden-size", type=int)
     g.add_argument("--num-attention-heads", type=int)
     g.add_argument("--num-query-groups", type=int, help="key/value heads (grouped-query attention)")
     g.add_argument("--ffn-hidden-size", type=int, help="default: 4 x hidden size")
-    g.add_argument("--num-experts", type=int, help="experts per MoE layer (--model-type of an MoE family)")
-    g.add_argument("--moe-ffn-hidden-size", type=int, help="each expert's FFN width (default: --ffn-hidden-size)")
+    g.add_argument("--num-experts", type=int, help="experts per MoE layer (required for an MoE --model-type)")
+    g.add_argument(
+        "--moe-ffn-hidden-size",
+        type=int,
+        help="each expert's FFN width (default: --ffn-hidden-size scaled as the family scales it)",
+    )
     g.add_argument(
         "--moe-shared-expert-intermediate-size",
         type=int,
-        help="the shared experts' FFN width, for families that have them (default: --moe-ffn-hidden-size)",
+        help="the shared experts' FFN width, for families that have them (default: --ffn-hidden-size scaled as "
+        "the family scales it)",
     )
     g.add_argument("--moe-router-topk", type=int, help="experts per token (default: the family's)")
     g.add_argument("--seq-length", type=int)

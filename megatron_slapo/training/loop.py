@@ -107,7 +107,7 @@ def setup(args: argparse.Namespace) -> Run:
     validate_args(args, world)
     check_attention_backend(args)
     if args.schedule is None and not (args.load_hf or args.hf_config):
-        args.schedule = default_for(args.model_type)  # else the type is the config's, read below
+        args.schedule = default_for(args.model_type, args.tensor_model_parallel_size)  # else the config's type, below
     if args.schedule is not None:
         get_schedule(args.schedule)  # an unknown name is refused before the process groups start
     print_arguments(args)
@@ -121,7 +121,7 @@ def setup(args: argparse.Namespace) -> Run:
     )
     config = build_config(args, tokenizer)
     if args.schedule is None:
-        args.schedule = default_for(config.model_type)
+        args.schedule = default_for(config.model_type, args.tensor_model_parallel_size)
         print_rank_0(f" > schedule: {args.schedule} (the default for {config.model_type})")
     schedule = get_schedule(args.schedule)
     check_fits(args.schedule, config.model_type)

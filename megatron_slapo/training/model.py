@@ -109,7 +109,7 @@ def _scaled_down(
         config.pad_token_id = None
     if getattr(config, "head_dim", None):  # derived from the width, not the default's
         config.head_dim = args.hidden_size // args.num_attention_heads
-    _set_experts(config, args, ffn)
+    _set_experts(config, default, args, ffn)
     return config
 
 
@@ -122,21 +122,40 @@ _MOE_FIELDS = {
 }
 
 
-def _set_experts(config: transformers.PretrainedConfig, args: argparse.Namespace, ffn: int) -> None:
-    """The MoE flags into an MoE family's config: the experts' widths scale with the model (each
-    expert as wide as --ffn-hidden-size unless told), their count and top-k are the family's unless told.
-    A flag the family has no field for is refused: it would otherwise be silently ignored."""
-    width = args.moe_ffn_hidden_size or ffn
-    values = dict(num_experts=args.num_experts, moe_router_topk=args.moe_router_topk, moe_ffn_hidden_size=width,
-                  moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size or width)  # fmt: skip
-    for flag, fields in _MOE_FIELDS.items():
-        field = next((f for f in fields if hasattr(config, f)), None)
-        given = getattr(args, flag, None) is not None
-        if field is not None and values[flag] is not None:
-            setattr(config, field, values[flag])
-        elif given:
+def _field(config: transformers.PretrainedConfig, flag: str) -> str | None:
+    return next((f for f in _MOE_FIELDS[flag] if hasattr(config, f)), None)
+
+
+def _set_experts(
+    config: transformers.PretrainedConfig, default: transformers.PretrainedConfig, args: argparse.Namespace, ffn: int
+) -> None:
+    """The MoE flags into an MoE family's config. The family's expert count is sized for its full
+    model, so ``--num-experts`` is required (Megatron's models have none without it); top-k is the
+    family's (at most the experts), and the experts' widths are ``--ffn-hidden-size`` scaled as the
+    family scales them. A flag a family has no field for is refused rather than ignored."""
+    count = _field(config, "num_experts")
+    for flag in _MOE_FIELDS:
+        if getattr(args, flag) is not None and _field(config, flag) is None:
+            hint = " (its experts are --ffn-hidden-size wide)" if count and flag == "moe_ffn_hidden_size" else ""
             raise ConfigError(f"--{flag.replace('_', '-')}: the {config.model_type} config has no "
-                              f"{' or '.join(fields)} to take it")  # fmt: skip
+                              f"{' or '.join(_MOE_FIELDS[flag])} to take it{hint}")  # fmt: skip
+    if count is None:
+        return
+    if args.num_experts is None:
+        raise ConfigError(f"--model-type {config.model_type} is a mixture of experts: give --num-experts (the "
+                          f"family's {getattr(config, count)} are sized for its full model)")  # fmt: skip
+    family_ffn = getattr(default, "intermediate_size", None)
+    top_k = args.moe_router_topk or min(getattr(config, "num_experts_per_tok", 1), args.num_experts)
+    if top_k > args.num_experts:
+        raise ConfigError(f"--moe-router-topk {top_k} exceeds --num-experts {args.num_experts}")
+    setattr(config, count, args.num_experts)
+    config.num_experts_per_tok = top_k
+    for flag, given in (("moe_ffn_hidden_size", args.moe_ffn_hidden_size),
+                        ("moe_shared_expert_intermediate_size", args.moe_shared_expert_intermediate_size)):  # fmt: skip
+        field = _field(config, flag)
+        if field is not None:
+            scaled = ffn * getattr(default, field) // family_ffn if family_ffn else ffn
+            setattr(config, field, given or max(1, scaled))
 
 
 def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.PretrainedConfig:
@@ -197,12 +216,14 @@ def check_task_fits(config: transformers.PretrainedConfig, task: str, source: st
 
 
 def check_divisible(config: transformers.PretrainedConfig, tp: int) -> None:
-    """Heads, key/value heads and FFN width must split evenly across the TP ranks."""
+    """Heads, key/value heads and FFN widths (the experts' too) must split evenly across the TP ranks."""
     sizes = {
         "attention heads": getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None),
         "key/value heads": getattr(config, "num_key_value_heads", None),
         "FFN hidden size": getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
         or getattr(config, "ffn_dim", None),
+        "experts' FFN hidden size": getattr(config, "moe_intermediate_size", None),
+        "shared experts' FFN hidden size": getattr(config, "shared_expert_intermediate_size", None),
     }  # fmt: skip
     for what, size in sizes.items():
         if size and size % tp:
