@@ -123,7 +123,7 @@ def from_hf(args: argparse.Namespace) -> None:
     padded = hf_vocab_size(true_vocab, true_vocab, args.make_vocab_size_divisible_by, tp)
     if padded != true_vocab:
         model.resize_token_embeddings(padded, mean_resizing=False)
-    check_divisible(model.config, tp)
+    check_divisible(model.config, tp, shared_kv_heads=args.schedule == "auto")
     vocab_params = vocab_parameter_names(model)
     sch = ms.create_schedule(model)
     get_schedule(args.schedule).apply(sch, model.config, args)

@@ -8,6 +8,9 @@ placements, with Megatron's collectives:
 - ``colwise`` layers are :class:`ColumnParallel` without an input reduction of their own; their
   parent (the attention module, the MLP) is one :class:`ParallelRegionInput`, so q, k and v (or
   gate and up) share one input-gradient all-reduce, as in Megatron;
+- grouped-query attention's key/value projections are split the same way; when the TP size is a
+  multiple of their heads rather than a divisor, each rank all-gathers them and keeps the head of
+  its query heads (:class:`KeyValueColumnParallel`, Megatron's way);
 - ``rowwise`` layers are :class:`RowParallel` (all-reduce of the output, then the bias);
 - ``moe_tp_experts`` modules (with their ``packed_colwise`` gate|up and ``rowwise`` down weights) are
   :class:`~megatron_slapo.parallel.experts.TensorParallelExperts`: every expert split by its
@@ -34,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 
@@ -84,6 +88,42 @@ class PartialGradients:
             sch.annotate(name, "sequence_parallel", True)
 
 
+class HeadSlice:
+    """``x[..., start:end]``: this rank's key/value head, out of the gathered ones."""
+
+    def __init__(self, start: int, end: int) -> None:
+        self.start, self.end = start, end
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x[..., self.start : self.end]
+
+
+@dataclass(frozen=True)
+class KeyValueColumnParallel(ColumnParallel):
+    """A key or value projection of grouped-query attention. When the TP size divides its heads it
+    is a plain column-parallel layer. When the TP size is a multiple of them (8 ranks, 2 heads), the
+    heads are shared by several ranks, and Megatron's answer is kept: the weight stays split evenly
+    (no copy of it to keep in step), the output is all-gathered along the features and each rank
+    takes the head of its query heads; backward, the gradient is reduce-scattered, which sums what
+    the ranks sharing a head give it."""
+
+    reduce_input_grad: bool = False  # the attention block's ParallelRegionInput reduces it
+    kv_heads: int = 1
+    head_dim: int = 1
+
+    def apply(self, sch: Schedule) -> None:
+        super().apply(sch)
+        tp = sch.world_size
+        if self.kv_heads % tp == 0:
+            return
+        if tp % self.kv_heads:
+            raise sch._error(f"the tensor-parallel size {tp} neither divides nor is a multiple of the "
+                             f"{self.kv_heads} key/value heads")  # fmt: skip
+        head = sch.rank // (tp // self.kv_heads)
+        sch.sync("fwd_post", "all_gather", axis=-1, backward="reduce_scatter")
+        sch.sync("fwd_post", HeadSlice(head * self.head_dim, (head + 1) * self.head_dim))
+
+
 @dataclass(frozen=True)
 class LocalHeadAttrs:
     """Divide, by the TP size, the integer attributes of an attention module that count heads or
@@ -92,12 +132,21 @@ class LocalHeadAttrs:
     config: Any
 
     def apply(self, sch: Schedule) -> None:
+        tp = sch.world_size
+        shared_kv = False  # fewer key/value heads than ranks: one each (see KeyValueColumnParallel)
         for attr, field in HEAD_ATTRS.items():
             value, whole = getattr(sch.mod, attr, None), getattr(self.config, field, None)
             if isinstance(value, int) and value == whole:
-                if value % sch.world_size:
-                    raise sch._error(f"{attr}={value} is not divisible by the tensor-parallel size {sch.world_size}")
-                setattr(sch.mod, attr, value // sch.world_size)
+                if field == "num_key_value_heads" and value < tp and tp % value == 0:
+                    setattr(sch.mod, attr, 1)
+                    shared_kv = True
+                    continue
+                if value % tp:
+                    raise sch._error(f"{attr}={value} is not divisible by the tensor-parallel size {tp}")
+                setattr(sch.mod, attr, value // tp)
+        groups = getattr(sch.mod, "num_key_value_groups", None)  # query heads per key/value head
+        if shared_kv and isinstance(groups, int):
+            sch.mod.num_key_value_groups = self.config.num_attention_heads // tp
 
 
 def _adds_positions(base: nn.Module, embedding: nn.Module) -> bool:
@@ -151,7 +200,7 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False)
         if experts and not any(compile_pattern(path).match(p) for p in present):  # an MoE model's layers may all
             continue  # be sparse: its dense MLP's patterns match nothing (elsewhere, apply_plan's error stands)
         if style == "colwise":
-            plan[path] = ColumnParallel(reduce_input_grad=False)
+            plan[path] = _column(model, present, path, config)
             regions.update(dict.fromkeys(_parents(present, path)))
         elif style == "rowwise":
             plan[path] = RowParallel(sequence_dim=ROWS)
@@ -172,6 +221,18 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False)
         plan[norm] = SplitAlongSequence(gather_output=True)
     plan[_path(model, "lm_head", "LM head", hf.get_output_embeddings() if hf else None)] = VocabParallelHead()
     return plan
+
+
+def _column(model: nn.Module, present: list[str], pattern: str, config: Any) -> ColumnParallel:
+    """A ``colwise`` layer: a key/value projection of grouped-query attention (as wide as the
+    key/value heads, fewer than the query heads) is :class:`KeyValueColumnParallel`."""
+    heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    layer = model.get_submodule(next(p for p in present if compile_pattern(pattern).match(p)))
+    if heads and kv and kv < heads:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        if getattr(layer, "out_features", None) == kv * head_dim:
+            return KeyValueColumnParallel(kv_heads=kv, head_dim=head_dim)
+    return ColumnParallel(reduce_input_grad=False)
 
 
 def _parents(present: list[str], pattern: str) -> list[str]:

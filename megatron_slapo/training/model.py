@@ -172,7 +172,7 @@ def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.Pretr
         args.padded_vocab_size = config.vocab_size
     else:
         config = _from_flags(args, args.padded_vocab_size, tokenizer)
-    check_divisible(config, tp)
+    check_divisible(config, tp, shared_kv_heads=args.schedule in (None, "auto"))
     if args.seq_length and args.seq_length > getattr(config, "max_position_embeddings", args.seq_length):
         raise ConfigError(
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions"
@@ -215,8 +215,10 @@ def check_task_fits(config: transformers.PretrainedConfig, task: str, source: st
                           "encoders such as BERT, RoBERTa, ALBERT (for a causal LM use pretrain_gpt.py)")  # fmt: skip
 
 
-def check_divisible(config: transformers.PretrainedConfig, tp: int) -> None:
-    """Heads, key/value heads and FFN widths (the experts' too) must split evenly across the TP ranks."""
+def check_divisible(config: transformers.PretrainedConfig, tp: int, shared_kv_heads: bool = False) -> None:
+    """Heads, key/value heads and FFN widths (the experts' too) must split evenly across the TP ranks;
+    with ``shared_kv_heads`` (``--schedule auto``) the TP size may instead be a multiple of the
+    key/value heads, each then shared by several ranks, as Megatron allows."""
     sizes = {
         "attention heads": getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None),
         "key/value heads": getattr(config, "num_key_value_heads", None),
@@ -225,9 +227,13 @@ def check_divisible(config: transformers.PretrainedConfig, tp: int) -> None:
         "experts' FFN hidden size": getattr(config, "moe_intermediate_size", None),
         "shared experts' FFN hidden size": getattr(config, "shared_expert_intermediate_size", None),
     }  # fmt: skip
+    kv = sizes["key/value heads"]
+    if shared_kv_heads and kv and tp % kv == 0:
+        del sizes["key/value heads"]
     for what, size in sizes.items():
         if size and size % tp:
-            raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the {size} {what}")
+            also = " (nor is it a multiple of them)" if shared_kv_heads and what == "key/value heads" else ""
+            raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the {size} {what}{also}")
 
 
 def auto_class(args: argparse.Namespace) -> type:

@@ -58,6 +58,27 @@ def test_auto_matches_the_unscheduled_model(group, family, sequence_parallel):
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mixtral"])  # plain, per-head norms, biases, MoE
+def test_fewer_key_value_heads_than_ranks_are_shared_as_megatron_shares_them(group, family, sequence_parallel):
+    """One key/value head for two ranks (multi-query attention at TP2): each rank computes half of
+    it, all-gathers it and keeps it whole, and the gradient reduce-scatters back."""
+    config = tiny(family)
+    config.num_key_value_heads = 1
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    sch = ms.create_schedule(model, group)
+    with ms.Verify(sch, [ids], seed=7) as verify:
+        auto.apply(sch, config, argparse.Namespace(sequence_parallel=sequence_parallel))
+        if sequence_parallel:
+            split_layers(sch, transformer_layers(model, config.num_hidden_layers))
+    assert verify.report.grads and not verify.report.failures, verify.report.failures
+    k_proj = model.model.layers[0].self_attn.k_proj
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert k_proj.weight.shape[0] == head_dim // sch.world_size  # split, not copied
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
 def test_auto_places_llama_as_its_hand_written_schedule_does(group, sequence_parallel):
     """From HF's plan, the shards (parameter, axis, stride, shape) and collectives of llama_tp, the
     schedule written by hand for Llama (test_comm_log.py counts their bytes per step: equal too)."""
@@ -127,8 +148,11 @@ TRAINED = ["qwen3", "mistral", "starcoder2", "gpt_neox", "granite", "llama", "qw
            "nemotron", "smollm3", "mixtral", "qwen3_moe", "glm4_moe"]  # fmt: skip
 PIPELINED = ["qwen3", "mistral", "starcoder2", "gpt_neox", "granite", "qwen3_moe"]
 EXPERTS = {"mixtral": [], "qwen3_moe": ["--moe-ffn-hidden-size", "32"], "glm4_moe": ["--moe-ffn-hidden-size", "32"]}
-LAYOUTS = {"tp2": ((2,), ["--tensor-model-parallel-size", "2"], TRAINED),
-           "tp2-pp2": ((4,), ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], PIPELINED)}  # fmt: skip
+TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
+# (layout, world sizes, flags, families); "-kv1": one key/value head, shared by the 2 ranks (multi-query
+# attention); at TP4 the 2 key/value heads are each shared by 2 ranks
+LAYOUTS = [("tp2", (2,), TP2, [*TRAINED, "llama-kv1", "qwen3_moe-kv1"]), ("tp2-pp2", (4,), [*TP2, *PP2], PIPELINED),
+           ("tp4", (4,), ["--tensor-model-parallel-size", "4"], ["llama"])]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -137,17 +161,20 @@ def reference(shared_tmp, cache):
     return reference_losses(shared_tmp, lambda family: ("gpt", [*_trained(family), "--data-cache-path", cache]))
 
 
-def _trained(family: str) -> list[str]:
+def _trained(case: str) -> list[str]:
+    family, _, kv_heads = case.partition("-kv")
     experts = ["--num-experts", "4", "--moe-router-topk", "2", *EXPERTS[family]] if family in EXPERTS else []
     fast = ["--lr", "1e-2", "--min-lr", "1e-3"]  # a clear drop in 10 steps for every family (qwen3_moe was slow)
-    return [*PARITY, *fast, "--model-type", family, "--schedule", "auto", "--num-query-groups", "2", *experts]
+    groups = ["--num-query-groups", kv_heads or "2"]
+    return [*PARITY, *fast, "--model-type", family, "--schedule", "auto", *groups, *experts]
 
 
 @pytest.mark.parametrize("family, flags", [layout_case(f, name, sizes, flags)
-                                           for name, (sizes, flags, families) in LAYOUTS.items() for f in families])  # fmt: skip
+                                           for name, sizes, flags, families in LAYOUTS for f in families])  # fmt: skip
 def test_auto_trains_as_one_process(family, flags, reference, shared_tmp, cache, request):
-    """pretrain_gpt.py --model-type FAMILY --schedule auto: 10 fp32 steps at TP2 and at TP2 x PP2
-    (the pipeline cut through the traced model) give one process's losses."""
+    """pretrain_gpt.py --model-type FAMILY --schedule auto: 10 fp32 steps at TP2, at TP2 x PP2 (the
+    pipeline cut through the traced model) and with key/value heads shared by ranks give one
+    process's losses."""
     tb = os.path.join(shared_tmp, f"tb-auto-{request.node.callspec.id}")
     losses = train_losses("gpt", [*_trained(family), *flags, "--data-cache-path", cache], tb)
     assert_parity(losses, reference(family), 1e-5)
