@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.utils import require_compiler
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -76,6 +78,7 @@ def test_the_benchmark_runs_every_schedule_both_ways():
 
 def test_the_benchmark_times_a_recipe_against_hf_eager_in_one_run(tmp_path):
     """tools/bench.py --grid tiny: one row, both sides timed in the same run; JSON and PNG written."""
+    require_compiler()  # its recipe, gpt_fused, compiles every layer
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = run(sys.executable, "tools/bench.py", "--grid", "tiny", "--warmup", "2", "--steps", "2", "--json", str(out),
                "--plot", str(png))  # fmt: skip

@@ -2,8 +2,27 @@
 
 from __future__ import annotations
 
+import functools
+
+import pytest
 import torch
 import transformers
+
+
+@functools.cache
+def _compiler_problem() -> str | None:
+    from megatron_slapo.primitives.compile import compiler_problem
+
+    return compiler_problem()
+
+
+def require_compiler() -> None:
+    """Skip, with the product's own reason, where torch.compile cannot build kernels (inductor on a
+    CPU without a C++ compiler): the product refuses ``--compile`` there with that one line."""
+    problem = _compiler_problem()
+    if problem:
+        pytest.skip(problem)
+
 
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 

@@ -24,6 +24,7 @@ from tests.distributed.runs import (
     single_process_losses,
     train_losses,
 )
+from tests.utils import require_compiler
 
 TOLERANCE = 1e-5
 SCHEDULES = {"gpt": ["--schedule", "gpt_tp"], "bert": ["--schedule", "bert_tp"]}
@@ -82,6 +83,8 @@ CASES = [layout_case(task, name, sizes, flags) for name, (sizes, flags) in LAYOU
 
 @pytest.mark.parametrize("task, flags", CASES)
 def test_loss_parity_with_one_process(task, flags, reference, shared_tmp, cache, request):
+    if "--compile" in flags:
+        require_compiler()
     expected = reference(task)
     tb = os.path.join(shared_tmp, f"tb-parity-{request.node.callspec.id}")
     losses = train_losses(task, [*MODEL, *SCHEDULES[task], *flags, "--data-cache-path", cache], tb)
@@ -101,6 +104,7 @@ def test_albert_loss_parity(reference, shared_tmp, cache, recompute, request):
 def test_gpt_fused_loss_parity(reference, shared_tmp, cache):
     """gpt_fused (one kernel per GeLU, every layer compiled) on two data-parallel ranks: the same
     losses as one eager process."""
+    require_compiler()
     tb = os.path.join(shared_tmp, "tb-parity-gpt-fused")
     losses = train_losses("gpt", [*MODEL, "--schedule", "gpt_fused", "--data-cache-path", cache], tb)
     assert_parity(losses, reference("gpt"), TOLERANCE)
