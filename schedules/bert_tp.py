@@ -29,8 +29,8 @@ def plan(prefix: str) -> dict:
     layer = f"{prefix}.encoder.layer.*"
     return {
         f"{prefix}.embeddings.word_embeddings": VocabParallelEmbedding(),
-        # one input-gradient all-reduce for q, k, v; each rank's heads their own dropout masks
-        f"{layer}.attention.self": (ParallelRegionInput(), HeadParallelDropout()),
+        # one GEMM and one input-gradient all-reduce for q, k, v; each rank's heads their own dropout masks
+        f"{layer}.attention.self": (ParallelRegionInput(fuse="{query,key,value}"), HeadParallelDropout()),
         f"{layer}.attention.self.{{query,key,value}}": ColumnParallel(reduce_input_grad=False),
         f"{layer}.attention.output.dense": RowParallel(),
         f"{layer}.intermediate.dense": ColumnParallel(),

@@ -15,8 +15,8 @@ MODEL_TYPES = ("gpt_neo",)  # HF config.model_type values this schedule is writt
 
 PLAN = {
     "transformer.wte": VocabParallelEmbedding(),
-    # GPT-Neo splits heads with self.num_heads; one input-gradient all-reduce for q, k, v
-    "transformer.h.*.attn.attention": (LocalHeads(), ParallelRegionInput(), HeadParallelDropout()),
+    # GPT-Neo splits heads with self.num_heads; one GEMM and one input-gradient all-reduce for q, k, v
+    "transformer.h.*.attn.attention": (LocalHeads(), ParallelRegionInput(fuse="{q,k,v}_proj"), HeadParallelDropout()),
     "transformer.h.*.attn.attention.{q,k,v}_proj": ColumnParallel(reduce_input_grad=False),
     "transformer.h.*.attn.attention.out_proj": RowParallel(),
     "transformer.h.*.mlp.c_fc": ColumnParallel(),

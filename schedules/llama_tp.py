@@ -14,11 +14,11 @@ MODEL_TYPES = ("llama",)  # HF config.model_type values this schedule is written
 
 PLAN = {
     "model.embed_tokens": VocabParallelEmbedding(positions=False),  # no position embeddings: reduce-scatter under SP
-    # one input-gradient all-reduce for q, k, v; each rank's heads their own dropout masks
-    "model.layers.*.self_attn": (ParallelRegionInput(), HeadParallelDropout()),
+    # one GEMM and one input-gradient all-reduce for q, k, v; each rank's heads their own dropout masks
+    "model.layers.*.self_attn": (ParallelRegionInput(fuse="{q,k,v}_proj"), HeadParallelDropout()),
     "model.layers.*.self_attn.{q,k,v}_proj": ColumnParallel(reduce_input_grad=False),  # kv heads split too
     "model.layers.*.self_attn.o_proj": RowParallel(),
-    "model.layers.*.mlp": ParallelRegionInput(),  # and one for gate and up
+    "model.layers.*.mlp": ParallelRegionInput(fuse="{gate,up}_proj"),  # and for gate and up
     "model.layers.*.mlp.{gate,up}_proj": ColumnParallel(reduce_input_grad=False),
     "model.layers.*.mlp.down_proj": RowParallel(),
     "model.norm": SplitAlongSequence(gather_output=True),  # under --sequence-parallel: split, then gathered

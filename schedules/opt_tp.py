@@ -15,8 +15,8 @@ MODEL_TYPES = ("opt",)  # HF config.model_type values this schedule is written f
 
 PLAN = {
     "model.decoder.embed_tokens": VocabParallelEmbedding(),
-    # OPT reshapes with self.num_heads; one input-gradient all-reduce for q, k, v
-    "model.decoder.layers.*.self_attn": (LocalHeads(), ParallelRegionInput(), HeadParallelDropout()),
+    # OPT reshapes with self.num_heads; one GEMM and one input-gradient all-reduce for q, k, v
+    "model.decoder.layers.*.self_attn": (LocalHeads(), ParallelRegionInput(fuse="{q,k,v}_proj"), HeadParallelDropout()),
     "model.decoder.layers.*.self_attn.{q,k,v}_proj": ColumnParallel(reduce_input_grad=False),
     "model.decoder.layers.*.self_attn.out_proj": RowParallel(),
     # OPT's MLP runs on tokens flattened to rows: under sequence parallelism its rows are split

@@ -7,7 +7,7 @@ placements, with Megatron's collectives:
 
 - ``colwise`` layers are :class:`ColumnParallel` without an input reduction of their own; their
   parent (the attention module, the MLP) is one :class:`ParallelRegionInput`, so q, k and v (or
-  gate and up) share one input-gradient all-reduce, as in Megatron;
+  gate and up) share one input-gradient all-reduce and, where they can, one GEMM, as in Megatron;
 - grouped-query attention's key/value projections are split the same way; when the TP size is a
   multiple of their heads rather than a divisor, each rank all-gathers them and keeps the head of
   its query heads (:class:`KeyValueColumnParallel`, Megatron's way);
@@ -42,6 +42,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from megatron_slapo.errors import SchedulingError
+from megatron_slapo.kernels.shared_input import why_not_fused
 from megatron_slapo.parallel.experts import TensorParallelExperts
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
@@ -192,7 +193,7 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False)
     plan: dict[str, Any] = {embedding_path: VocabParallelEmbedding(positions=_adds_positions(base_model, embedding))}
     present = [p for p, _ in model.named_modules() if p]
     experts = [prefix + p for p, style in tp_plan.items() if style == "moe_tp_experts"]
-    regions: dict[str, None] = {}
+    regions: dict[str, list[str]] = {}  # region -> its column-parallel children
     for pattern, style in tp_plan.items():
         path = prefix + pattern
         if any(path.startswith(e + ".") for e in experts):  # gate_up_proj, down_proj: the experts' weights
@@ -201,7 +202,8 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False)
             continue  # be sparse: its dense MLP's patterns match nothing (elsewhere, apply_plan's error stands)
         if style == "colwise":
             plan[path] = _column(model, present, path, config)
-            regions.update(dict.fromkeys(_parents(present, path)))
+            for region in _parents(present, path):
+                regions.setdefault(region, []).append(path.rpartition(".")[2])
         elif style == "rowwise":
             plan[path] = RowParallel(sequence_dim=ROWS)
         elif style == "replicated_with_grad_allreduce":
@@ -212,9 +214,10 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False)
             raise SchedulingError(f"--schedule auto: {kind} plans {pattern!r} as {style!r}, which it cannot honour "
                                   f"yet (it follows {', '.join(STYLES)})")  # fmt: skip
     sample = dict(model.named_modules())
-    for parent in regions:  # the first layer's module stands for the pattern's
-        attention = core_kind(sample[next(p for p in present if compile_pattern(parent).match(p))]) is not None
-        region = ParallelRegionInput(sequence_dim=ROWS)
+    for parent, children in regions.items():  # the first layer's module stands for the pattern's
+        module = sample[next(p for p in present if compile_pattern(parent).match(p))]
+        attention = core_kind(module) is not None
+        region = ParallelRegionInput(sequence_dim=ROWS, fuse=_fusable(module, children))
         plan = {parent: (region, LocalHeadAttrs(config), HeadParallelDropout()) if attention else (region,), **plan}
     norm = _final_norm(base_model, prefix, pp_plan)
     if norm:
@@ -233,6 +236,12 @@ def _column(model: nn.Module, present: list[str], pattern: str, config: Any) -> 
         if getattr(layer, "out_features", None) == kv * head_dim:
             return KeyValueColumnParallel(kv_heads=kv, head_dim=head_dim)
     return ColumnParallel(reduce_input_grad=False)
+
+
+def _fusable(module: nn.Module, children: list[str]) -> str:
+    """The region's column-parallel children to multiply as one GEMM (``"{q_proj,k_proj,v_proj}"``),
+    when they can be (:func:`~megatron_slapo.kernels.shared_input.why_not_fused`)."""
+    return "" if why_not_fused(module, children) else "{" + ",".join(children) + "}"
 
 
 def _parents(present: list[str], pattern: str) -> list[str]:

@@ -27,6 +27,7 @@ import torch.fx as fx
 from transformers import PreTrainedModel
 
 from megatron_slapo.errors import SchedulingError
+from megatron_slapo.kernels.shared_input import fuse_projections
 from megatron_slapo.parallel.vocab import VocabParallelLMLoss
 from megatron_slapo.primitives.placement import linear_axes
 
@@ -84,11 +85,13 @@ class ParallelRegionInput:
     layers' partial gradients, is all-reduced here once (Megatron's f on the block's input) instead
     of once per layer; the layers take ``ColumnParallel(reduce_input_grad=False)``. Under sequence
     parallelism the input is split along the sequence: it is all-gathered here instead, and its
-    gradient reduce-scattered.
+    gradient reduce-scattered. ``fuse`` names those layers (``"{q,k,v}_proj"``) to multiply the
+    input by all their weights in one GEMM, as Megatron's fused ``linear_qkv`` does.
     """
 
     sequence_parallel: bool = False
     sequence_dim: int = 1  # as in ColumnParallel
+    fuse: str = ""  # children that read the input, as one GEMM ("{q,k,v}_proj": see kernels/shared_input.py)
 
     def apply(self, sch: Schedule) -> None:
         if linear_axes(sch.mod) is not None:
@@ -98,6 +101,8 @@ class ParallelRegionInput:
             sch.sync("fwd_pre", "all_gather", axis=self.sequence_dim, backward="reduce_scatter")
         else:
             sch.sync("bwd_post", "all_reduce")
+        if self.fuse:
+            fuse_projections(sch, alternatives(self.fuse))
 
 
 @dataclass(frozen=True)
@@ -206,6 +211,15 @@ class HeadParallelDropout:
 
     def apply(self, sch: Schedule) -> None:
         sch.attention_core(fork_rng=True)
+
+
+def alternatives(name: str) -> list[str]:
+    """The names a plan path component stands for: ``"{q,k,v}_proj"`` -> q_proj, k_proj, v_proj."""
+    pieces = re.split(r"\{([^{}]*)\}", name)
+    names = [""]
+    for i, piece in enumerate(pieces):
+        names = [n + p for n in names for p in (piece.split(",") if i % 2 else [piece])]
+    return names
 
 
 def _component(part: str) -> str:

@@ -1,0 +1,101 @@
+"""One GEMM for the Linear layers that read the same input (q, k and v; gate and up).
+
+Megatron stores such layers as one weight (``linear_qkv``, ``linear_fc1`` with a gated unit) and
+multiplies the input once. HF keeps them apart, and its attention calls ``q_proj(x)``,
+``k_proj(x)``, ``v_proj(x)`` one after the other. :func:`fuse_projections` keeps the layers and
+their parameters as they are (names, shards, checkpoints, every engine's optimizer: nothing
+changes) and changes only how they compute: the first of them called multiplies the input by the
+concatenation of all their weights, in one GEMM, keeps its part and holds the others' parts for
+them, each taken when that layer is called with the very same input. Backward, the one GEMM gives
+the input's gradient and the weights' gradients, which the concatenation hands back to each layer.
+
+It falls back to each layer's own product, exactly as before, where the fused one would not be
+right or not pay: under ``torch.compile`` (the graph keeps the three products), when a weight is
+not whole in this process (DeepSpeed ZeRO-3 gathers each layer's weight in its own hook, FSDP2's
+DTensors), and for good once the layers are seen called on different inputs (a hook that changes
+one layer's input, cross-attention).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_slapo.primitives.forward import set_base_forward
+
+if TYPE_CHECKING:
+    from megatron_slapo.schedule import Schedule
+
+MISSES_BEFORE_GIVING_UP = 3  # calls in a row that find another input: the layers do not share theirs
+
+
+class SharedInput:
+    """The layers fused, and the parts of the last product that layers have not taken yet."""
+
+    def __init__(self, layers: list[nn.Linear]) -> None:
+        self.layers = layers
+        self.pending: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
+        self.misses = 0
+        self.enabled = True
+
+    def _whole(self) -> bool:
+        """Whether every weight is a plain tensor held whole here (not a ZeRO-3 partition, not a DTensor)."""
+        return all(
+            type(layer.weight) in (torch.Tensor, nn.Parameter) and not hasattr(layer.weight, "ds_id")
+            for layer in self.layers
+        )
+
+    def output(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``layer(x)``, from the fused product where the layers share ``x``."""
+        if not self.enabled or torch.compiler.is_compiling() or not self._whole():
+            return F.linear(x, layer.weight, layer.bias)
+        index = next(i for i, other in enumerate(self.layers) if other is layer)
+        if self.pending is not None:
+            source, parts = self.pending
+            if source is x and index in parts:
+                self.misses = 0
+                out = parts.pop(index)
+                if not parts:
+                    self.pending = None
+                return out
+            self.pending = None
+            self.misses += 1
+            if self.misses >= MISSES_BEFORE_GIVING_UP:
+                self.enabled = False
+                return F.linear(x, layer.weight, layer.bias)
+        weight = torch.cat([other.weight for other in self.layers])
+        bias = torch.cat([other.bias for other in self.layers]) if layer.bias is not None else None
+        parts = F.linear(x, weight, bias).split([other.weight.shape[0] for other in self.layers], dim=-1)
+        self.pending = (x, {i: part for i, part in enumerate(parts) if i != index})
+        return parts[index]
+
+
+def _shared_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return module.shared_input.output(module, x)
+
+
+def why_not_fused(module: nn.Module, names: list[str]) -> str | None:
+    """Why the children ``names`` of ``module`` cannot be one GEMM, or ``None``: they must be two or
+    more Linear layers of one input width, all with a bias or all without."""
+    layers = [getattr(module, name, None) for name in names]
+    if len(layers) < 2 or not all(type(layer) is nn.Linear for layer in layers):
+        return f"fusing needs two or more nn.Linear children, got {', '.join(names)}"
+    if len({layer.in_features for layer in layers}) > 1 or len({layer.bias is None for layer in layers}) > 1:
+        return f"{', '.join(names)} differ in input width or in having a bias: not one GEMM"
+    return None
+
+
+def fuse_projections(sch: Schedule, names: list[str]) -> None:
+    """Compute the Linear children ``names`` of ``sch``'s module, which read the same input, as one
+    GEMM (module docstring); ``ParallelRegionInput(fuse=...)`` calls it for a plan."""
+    problem = why_not_fused(sch.mod, names)
+    if problem:
+        raise sch._error(problem)
+    layers = [getattr(sch.mod, name) for name in names]
+    group = SharedInput(layers)
+    for layer in layers:
+        layer.shared_input = group
+        set_base_forward(layer, _shared_forward)
