@@ -60,6 +60,21 @@ class TwoProjections(nn.Module):
         self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 6)
 
 
+def test_fused_layers_with_biases_give_every_gradient():
+    torch.manual_seed(0)
+    plain = TwoProjections()
+    block = copy.deepcopy(plain)
+    fuse_projections(ms.create_schedule(block), ["a", "b"])
+    x = torch.randn(2, 3, 8)
+    for model in (plain, block):
+        xi = x.clone().requires_grad_()
+        (model.b(xi).sum() * 2 + (model.a(xi) * torch.arange(4.0)).sum()).backward()
+        model.x_grad = xi.grad
+    for (name, p), q in zip(block.named_parameters(), plain.parameters(), strict=True):
+        assert max_diff(p.grad, q.grad) < 1e-6, name
+    assert max_diff(block.x_grad, plain.x_grad) < 1e-6
+
+
 def test_layers_called_on_different_inputs_compute_apart_and_stop_trying():
     torch.manual_seed(0)
     plain = TwoProjections()

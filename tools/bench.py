@@ -1,6 +1,7 @@
 """Train-step speed and peak memory of the one-device recipes against plain HF eager, side by side.
 
     python tools/bench.py --grid cpu [--json out.json] [--plot out.png]
+    python tools/bench.py --grid cpu-llama   # a 4-layer Llama: llama_tp on one device
     python tools/bench.py --grid gpu ...     # one H100/H200: GPT-2 124M and a ~1B Llama, bf16
 
 A row is a model config x a recipe x a precision. The recipe (a schedule from ``schedules/``, or
@@ -37,6 +38,7 @@ from torch._C._profiler import _EventType
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import megatron_slapo as ms  # noqa: E402
+from megatron_slapo.parallel.random import seed  # noqa: E402
 from megatron_slapo.parallel.vocab import vocab_parallel_cross_entropy  # noqa: E402
 from megatron_slapo.training import recompute  # noqa: E402
 from megatron_slapo.training.flops import device_peak_tflops, flops_per_token  # noqa: E402
@@ -68,6 +70,7 @@ RECIPES = {
     "gpt_fused": ("gpt_fused", None, False),
     "gpt_fused, ratio 0.5": ("gpt_fused", 0.5, False),
     "compile": ("default", None, True),
+    "llama_tp": ("llama_tp", None, False),  # on one device: q|k|v and gate|up one GEMM each, F.rms_norm, chunked CE
 }
 
 GPT2_SMALL = (("n_layer", 4), ("n_embd", 768), ("n_head", 12))  # GPT-2's dropout: 0.1 everywhere
@@ -75,6 +78,8 @@ NO_DROPOUT = (("resid_pdrop", 0.0), ("embd_pdrop", 0.0), ("attn_pdrop", 0.0))  #
 GPT2_124M = (("n_layer", 12), ("n_embd", 768), ("n_head", 12))
 LLAMA_1B = (("hidden_size", 2048), ("intermediate_size", 5632), ("num_hidden_layers", 16),
             ("num_attention_heads", 32), ("num_key_value_heads", 8), ("vocab_size", 32000))  # fmt: skip
+LLAMA_SMALL = (("hidden_size", 768), ("intermediate_size", 2048), ("num_hidden_layers", 4),
+               ("num_attention_heads", 12), ("num_key_value_heads", 4), ("vocab_size", 32000))  # fmt: skip
 TINY = (("n_layer", 2), ("n_embd", 64), ("n_head", 4), ("vocab_size", 512))
 
 GRIDS = {  # the issue's CPU config (2 cores), the GPU configs (one H100), a smoke test
@@ -84,7 +89,9 @@ GRIDS = {  # the issue's CPU config (2 cores), the GPU configs (one H100), a smo
               for dtype in DTYPES)],
     "gpu": [Row("gpt2 124M", "gpt2", GPT2_124M, 1024, 8, "gpt_fused", "bf16"),
             Row("gpt2 124M", "gpt2", GPT2_124M, 1024, 8, "gpt_fused, ratio 0.5", "bf16"),
-            Row("llama 1B", "llama", LLAMA_1B, 2048, 4, "compile", "bf16")],
+            Row("llama 1B", "llama", LLAMA_1B, 2048, 4, "compile", "bf16"),
+            Row("llama 1B", "llama", LLAMA_1B, 2048, 4, "llama_tp", "bf16")],
+    "cpu-llama": [Row("llama 4L h768", "llama", LLAMA_SMALL, 512, 2, "llama_tp", dtype) for dtype in DTYPES],
     "tiny": [Row("gpt2 tiny", "gpt2", TINY, 32, 2, "gpt_fused", "fp32")],
 }  # fmt: skip
 
@@ -96,7 +103,7 @@ def _device() -> torch.device:
 def _models(row: Row) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(plain HF, the recipe) with the same weights, at the row's precision."""
     config = row.config()
-    torch.manual_seed(0)
+    seed(0)  # the default generator, and the model-parallel stream that attention dropout runs on
     hf = transformers.AutoModelForCausalLM.from_config(config).to(_device(), DTYPES[row.dtype]).train()
     schedule, ratio, compile_layers = RECIPES[row.recipe]
     sch = ms.create_schedule(copy.deepcopy(hf))

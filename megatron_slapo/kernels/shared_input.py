@@ -66,11 +66,34 @@ class SharedInput:
             if self.misses >= MISSES_BEFORE_GIVING_UP:
                 self.enabled = False
                 return F.linear(x, layer.weight, layer.bias)
-        weight = torch.cat([other.weight for other in self.layers])
-        bias = torch.cat([other.bias for other in self.layers]) if layer.bias is not None else None
-        parts = F.linear(x, weight, bias).split([other.weight.shape[0] for other in self.layers], dim=-1)
+        weights = [other.weight for other in self.layers]
+        biases = [other.bias for other in self.layers] if layer.bias is not None else []
+        parts = _FusedLinear.apply(x, len(weights), *weights, *biases).split([w.shape[0] for w in weights], dim=-1)
         self.pending = (x, {i: part for i, part in enumerate(parts) if i != index})
         return parts[index]
+
+
+class _FusedLinear(torch.autograd.Function):
+    """``x @ cat(weights).T + cat(biases)``, keeping for the backward the layers' own weights, not
+    their concatenation: a copy of every fused weight per layer would cost activation memory (a
+    7B Llama: 7 GB in bf16). The backward concatenates them again for the input's gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, count: int, *params: torch.Tensor) -> torch.Tensor:
+        weights, biases = params[:count], params[count:]
+        ctx.count = count
+        ctx.save_for_backward(x, *weights)
+        return F.linear(x, torch.cat(weights), torch.cat(biases) if biases else None)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        grad_x = grad @ torch.cat(weights) if ctx.needs_input_grad[0] else None
+        sizes = [w.shape[0] for w in weights]
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_w = (rows.T @ x.reshape(-1, x.shape[-1])).split(sizes)  # one GEMM for every weight's gradient
+        grad_b = rows.sum(0).split(sizes) if len(ctx.needs_input_grad) > 2 + ctx.count else ()
+        return (grad_x, None, *grad_w, *grad_b)
 
 
 def _shared_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
