@@ -6,70 +6,77 @@ multiplies the input once. HF keeps them apart, and its attention calls ``q_proj
 their parameters as they are (names, shards, checkpoints, every engine's optimizer: nothing
 changes) and changes only how they compute: the first of them called multiplies the input by the
 concatenation of all their weights, in one GEMM, keeps its part and holds the others' parts for
-them, each taken when that layer is called with the very same input. Backward, the one GEMM gives
-the input's gradient and the weights' gradients, which the concatenation hands back to each layer.
+them, each taken when that layer is called with the very same input. Backward, one GEMM gives the
+input's gradient and one every weight's.
 
 It falls back to each layer's own product, exactly as before, where the fused one would not be
-right or not pay: under ``torch.compile`` (the graph keeps the three products), when a weight is
-not whole in this process (DeepSpeed ZeRO-3 gathers each layer's weight in its own hook, FSDP2's
-DTensors), and for good once the layers are seen called on different inputs (a hook that changes
-one layer's input, cross-attention).
+right or not pay: under ``torch.compile`` (the graph keeps the separate products) and under
+autocast (the layers' own products are cast as autocast casts them), when a weight is not whole
+in this process (DeepSpeed ZeRO-3 gathers each layer's weight in its own hook; DTensors), and for
+good once a layer finds the others' parts computed from another input, or under another grad mode,
+or from an input changed in place since (a hook that changes one layer's input, cross-attention,
+a recompute wrapped around one layer alone).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_slapo.primitives.forward import set_base_forward
+from megatron_slapo.primitives.forward import base_forward, set_base_forward
 
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
 
-MISSES_BEFORE_GIVING_UP = 3  # calls in a row that find another input: the layers do not share theirs
-
 
 class SharedInput:
-    """The layers fused, and the parts of the last product that layers have not taken yet."""
+    """The layers fused, and the parts of the last product that layers have not taken yet, with
+    what they were computed from: the input, its version, and whether autograd was recording."""
 
     def __init__(self, layers: list[nn.Linear]) -> None:
         self.layers = layers
-        self.pending: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
-        self.misses = 0
+        self.pending: tuple[torch.Tensor, int, bool, dict[int, torch.Tensor]] | None = None
         self.enabled = True
 
-    def _whole(self) -> bool:
-        """Whether every weight is a plain tensor held whole here (not a ZeRO-3 partition, not a DTensor)."""
+    def __deepcopy__(self, memo: dict) -> SharedInput:
+        clone = SharedInput(copy.deepcopy(self.layers, memo))  # the copied model's layers
+        clone.enabled = self.enabled  # parts in flight are not copied: they belong to a call of this model
+        return clone
+
+    def _fusable(self, x: torch.Tensor) -> bool:
+        """Whether the fused product may serve: not compiling, not under autocast, every weight a
+        plain tensor held whole here (not a ZeRO-3 partition, not a DTensor)."""
+        if not self.enabled or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+            return False
         return all(
-            type(layer.weight) in (torch.Tensor, nn.Parameter) and not hasattr(layer.weight, "ds_id")
-            for layer in self.layers
+            type(m.weight) in (torch.Tensor, nn.Parameter) and not hasattr(m.weight, "ds_id") for m in self.layers
         )
 
     def output(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """``layer(x)``, from the fused product where the layers share ``x``."""
-        if not self.enabled or torch.compiler.is_compiling() or not self._whole():
+        if not self._fusable(x):
             return F.linear(x, layer.weight, layer.bias)
         index = next(i for i, other in enumerate(self.layers) if other is layer)
         if self.pending is not None:
-            source, parts = self.pending
-            if source is x and index in parts:
-                self.misses = 0
-                out = parts.pop(index)
-                if not parts:
-                    self.pending = None
-                return out
+            source, version, recording, parts = self.pending
             self.pending = None
-            self.misses += 1
-            if self.misses >= MISSES_BEFORE_GIVING_UP:
+            same = source is x and version == x._version and recording == torch.is_grad_enabled()
+            if not (same and index in parts):  # the layers do not share one input: stop trying
                 self.enabled = False
                 return F.linear(x, layer.weight, layer.bias)
+            out = parts.pop(index)
+            if parts:
+                self.pending = (source, version, recording, parts)
+            return out
         weights = [other.weight for other in self.layers]
         biases = [other.bias for other in self.layers] if layer.bias is not None else []
         parts = _FusedLinear.apply(x, len(weights), *weights, *biases).split([w.shape[0] for w in weights], dim=-1)
-        self.pending = (x, {i: part for i, part in enumerate(parts) if i != index})
+        others = {i: part for i, part in enumerate(parts) if i != index}
+        self.pending = (x, x._version, torch.is_grad_enabled(), others)
         return parts[index]
 
 
@@ -81,18 +88,20 @@ class _FusedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, count: int, *params: torch.Tensor) -> torch.Tensor:
         weights, biases = params[:count], params[count:]
-        ctx.count = count
+        ctx.count, ctx.has_bias = count, bool(biases)
         ctx.save_for_backward(x, *weights)
         return F.linear(x, torch.cat(weights), torch.cat(biases) if biases else None)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
+        count, sizes = ctx.count, [w.shape[0] for w in weights]
         grad_x = grad @ torch.cat(weights) if ctx.needs_input_grad[0] else None
-        sizes = [w.shape[0] for w in weights]
         rows = grad.reshape(-1, grad.shape[-1])
-        grad_w = (rows.T @ x.reshape(-1, x.shape[-1])).split(sizes)  # one GEMM for every weight's gradient
-        grad_b = rows.sum(0).split(sizes) if len(ctx.needs_input_grad) > 2 + ctx.count else ()
+        grad_w: tuple = (None,) * count
+        if any(ctx.needs_input_grad[2 : 2 + count]):  # one GEMM for every weight's gradient
+            grad_w = (rows.T @ x.reshape(-1, x.shape[-1])).split(sizes)
+        grad_b = rows.sum(0).split(sizes) if ctx.has_bias else ()
         return (grad_x, None, *grad_w, *grad_b)
 
 
@@ -108,6 +117,8 @@ def why_not_fused(module: nn.Module, names: list[str]) -> str | None:
         return f"fusing needs two or more nn.Linear children, got {', '.join(names)}"
     if len({layer.in_features for layer in layers}) > 1 or len({layer.bias is None for layer in layers}) > 1:
         return f"{', '.join(names)} differ in input width or in having a bias: not one GEMM"
+    if any(base_forward(layer) is not None for layer in layers):
+        return f"{', '.join(names)}: a layer already computes in a way of its own (fused, row-parallel)"
     return None
 
 

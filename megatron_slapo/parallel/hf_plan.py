@@ -109,7 +109,7 @@ class KeyValueColumnParallel(ColumnParallel):
     the ranks sharing a head give it."""
 
     reduce_input_grad: bool = False  # the attention block's ParallelRegionInput reduces it
-    kv_heads: int = 1
+    kv_heads: int = 1  # the model's key/value heads (plan_from_hf gives both from the config)
     head_dim: int = 1
 
     def apply(self, sch: Schedule) -> None:
@@ -134,20 +134,19 @@ class LocalHeadAttrs:
 
     def apply(self, sch: Schedule) -> None:
         tp = sch.world_size
-        shared_kv = False  # fewer key/value heads than ranks: one each (see KeyValueColumnParallel)
+        kv, heads = getattr(self.config, "num_key_value_heads", None), self.config.num_attention_heads
+        shared_kv = bool(kv) and kv < tp and tp % kv == 0  # one key/value head a rank (KeyValueColumnParallel)
         for attr, field in HEAD_ATTRS.items():
             value, whole = getattr(sch.mod, attr, None), getattr(self.config, field, None)
             if isinstance(value, int) and value == whole:
-                if field == "num_key_value_heads" and value < tp and tp % value == 0:
+                if field == "num_key_value_heads" and shared_kv:
                     setattr(sch.mod, attr, 1)
-                    shared_kv = True
                     continue
                 if value % tp:
                     raise sch._error(f"{attr}={value} is not divisible by the tensor-parallel size {tp}")
                 setattr(sch.mod, attr, value // tp)
-        groups = getattr(sch.mod, "num_key_value_groups", None)  # query heads per key/value head
-        if shared_kv and isinstance(groups, int):
-            sch.mod.num_key_value_groups = self.config.num_attention_heads // tp
+        if shared_kv and isinstance(getattr(sch.mod, "num_key_value_groups", None), int):
+            sch.mod.num_key_value_groups = heads // tp  # this rank's query heads, all on its one key/value head
 
 
 def _adds_positions(base: nn.Module, embedding: nn.Module) -> bool:
@@ -230,8 +229,9 @@ def _column(model: nn.Module, present: list[str], pattern: str, config: Any) -> 
     """A ``colwise`` layer: a key/value projection of grouped-query attention (as wide as the
     key/value heads, fewer than the query heads) is :class:`KeyValueColumnParallel`."""
     heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
-    layer = model.get_submodule(next(p for p in present if compile_pattern(pattern).match(p)))
-    if heads and kv and kv < heads:
+    path = next(p for p in present if compile_pattern(pattern).match(p))
+    layer, parent = model.get_submodule(path), model.get_submodule(path.rpartition(".")[0])
+    if heads and kv and kv < heads and core_kind(parent) is not None:  # in an attention module
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         if getattr(layer, "out_features", None) == kv * head_dim:
             return KeyValueColumnParallel(kv_heads=kv, head_dim=head_dim)

@@ -59,13 +59,16 @@ def test_auto_matches_the_unscheduled_model(group, family, sequence_parallel):
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "mixtral"])  # plain, per-head norms, biases, MoE
-def test_fewer_key_value_heads_than_ranks_are_shared_as_megatron_shares_them(group, family, sequence_parallel):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])  # eager repeats each key/value head by the module's count
+def test_fewer_key_value_heads_than_ranks_are_shared_as_megatron_shares_them(
+    group, family, sequence_parallel, attention
+):
     """One key/value head for two ranks (multi-query attention at TP2): each rank computes half of
     it, all-gathers it and keeps it whole, and the gradient reduce-scatters back."""
     config = tiny(family)
     config.num_key_value_heads = 1
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
     ids = torch.randint(2, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     sch = ms.create_schedule(model, group)
     with ms.Verify(sch, [ids], seed=7) as verify:
