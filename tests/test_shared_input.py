@@ -69,7 +69,7 @@ def test_fused_layers_with_biases_give_every_gradient():
     x = torch.randn(2, 3, 8)
     for model in (plain, block):
         xi = x.clone().requires_grad_()
-        (model.b(xi).sum() * 2 + (model.a(xi) * torch.arange(4.0)).sum()).backward()
+        (model.b(input=xi).sum() * 2 + (model.a(xi) * torch.arange(4.0)).sum()).backward()  # nn.Linear's keyword
         model.x_grad = xi.grad
     for (name, p), q in zip(block.named_parameters(), plain.parameters(), strict=True):
         assert max_diff(p.grad, q.grad) < 1e-6, name

@@ -1,5 +1,6 @@
 """Base of the modules whose one Linear stacks the rows of several original layers (fused q|k|v,
-fused gate|up): one GEMM where the model had several, reading the input once.
+:mod:`~megatron_slapo.kernels.qkv`): one GEMM where the model had several, reading the input once.
+(The schedules fuse without a new module: :mod:`~megatron_slapo.kernels.shared_input`.)
 
 The fused Linear takes the originals' weights (pretrained ones carry over) and remembers the
 originals weakly (:meth:`FusedRows.param_origins`), so that ``build`` initialises it as the

@@ -105,8 +105,8 @@ class _FusedLinear(torch.autograd.Function):
         return (grad_x, None, *grad_w, *grad_b)
 
 
-def _shared_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return module.shared_input.output(module, x)
+def _shared_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
+    return module.shared_input.output(module, input)
 
 
 def why_not_fused(module: nn.Module, names: list[str]) -> str | None:

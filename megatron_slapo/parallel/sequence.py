@@ -100,7 +100,7 @@ class GatherSequence:
 def sequence_parallel_plan(plan: Mapping[str, Any]) -> dict[str, Any]:
     """``plan`` with every region entry and exit in its sequence-parallel form: each placement
     with a ``sequence_parallel`` field (ColumnParallel, RowParallel, the vocabulary-parallel ends,
-    SplitAlongSequence, GatherSequence, FuseGateUp, ...) has it set."""
+    SplitAlongSequence, GatherSequence, ...) has it set."""
 
     def rewrite(placement: Any) -> Any:
         if isinstance(placement, tuple):

@@ -19,6 +19,7 @@ from torch import nn
 
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels import attention
+from schedules import default_for
 
 # --model-type -> HF config class (the model class follows from the task, see auto_class)
 CONFIGS = {
@@ -172,7 +173,8 @@ def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.Pretr
         args.padded_vocab_size = config.vocab_size
     else:
         config = _from_flags(args, args.padded_vocab_size, tokenizer)
-    check_divisible(config, tp, shared_kv_heads=args.schedule in (None, "auto"))
+    schedule = args.schedule or default_for(config.model_type, tp)  # what the run will apply
+    check_divisible(config, tp, shared_kv_heads=schedule == "auto")
     if args.seq_length and args.seq_length > getattr(config, "max_position_embeddings", args.seq_length):
         raise ConfigError(
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions"

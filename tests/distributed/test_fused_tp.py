@@ -1,17 +1,15 @@
-"""Rewrites under tensor parallelism: fused q|k|v and gate|up projections and decomposed layers, sharded."""
+"""Rewrites under tensor parallelism: fused q|k|v projections and decomposed layers, sharded."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
-from transformers.models.llama.modeling_llama import LlamaMLP
 
 import megatron_slapo as ms
-from megatron_slapo.kernels.gate_up import FusedGateUpMLP, FuseGateUp
 from megatron_slapo.kernels.qkv import FusedQKV
 from megatron_slapo.parallel.plans import ColumnParallel, RowParallel
-from tests.utils import tiny_gpt2_config, tiny_llama_config
+from tests.utils import tiny_gpt2_config
 
 HIDDEN, HEAD_DIM = 32, 8
 
@@ -83,54 +81,3 @@ def test_decomposed_conv1d_layers_keep_megatron_placements(group):
         sch["c_proj"].shard("weight", axis=0)
         sch["c_proj"].sync("fwd_post", "all_reduce")
     assert len(verify.report.grads) == 4 and not verify.report.failures
-
-
-class Block(nn.Module):
-    """Llama's MLP inside a block (a schedule replaces modules below its root)."""
-
-    def __init__(self):
-        super().__init__()
-        self.mlp = LlamaMLP(tiny_llama_config())
-
-    def forward(self, x):
-        return self.mlp(x)
-
-
-@pytest.mark.parametrize("device", ["cpu", "meta"])
-def test_fused_gate_up_column_parallel_matches_the_unsharded_mlp(group, device):
-    """Llama's MLP with gate|up fused, column-parallel with stride 2, down row-parallel: outputs and
-    every gradient as the unsharded MLP (the fused weight's against gate's and up's, concatenated),
-    whether built from real weights or on the meta device."""
-    with torch.device(device):
-        torch.manual_seed(0)
-        sch = ms.create_schedule(Block(), group)
-    x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
-    with ms.Verify(sch, [x], seed=5) as verify:
-        FuseGateUp().apply(sch["mlp"])
-        RowParallel().apply(sch["mlp.down_proj"])
-    fused = sch["mlp"].mod
-    assert isinstance(fused, FusedGateUpMLP) and fused.gate_up_proj.weight.shape == (64, 32)  # half of 2 x 64
-    assert "grad of mlp.gate_up_proj.weight" in verify.report.grads, verify.report.grads
-    assert not verify.report.unchecked and not verify.report.failures
-
-
-def test_fused_gate_up_keeps_hfs_state_dict(group, rank):
-    """The state dict of a sharded, fused MLP holds HF's names, each this rank's rows of its layer
-    (stride 1), and loads back into the fused projection."""
-    torch.manual_seed(0)
-    block = Block()
-    full = {k: v.clone() for k, v in block.state_dict().items()}
-    sch = ms.create_schedule(block, group)
-    FuseGateUp().apply(sch["mlp"])
-    RowParallel().apply(sch["mlp.down_proj"])
-    built = ms.build(sch)
-    state = built.state_dict(keep_vars=True)
-    assert sorted(state) == sorted(full)
-    for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
-        assert torch.equal(state[name], full[name].chunk(2, dim=0)[rank])
-        assert (state[name].partition_dim, state[name].partition_stride) == (0, 1)
-    before = built.mlp.gate_up_proj.weight.detach().clone()
-    with torch.no_grad():
-        built.mlp.gate_up_proj.weight.zero_()
-    built.load_state_dict({k: v.detach() for k, v in state.items()})
-    assert torch.equal(built.mlp.gate_up_proj.weight, before)
