@@ -47,12 +47,14 @@ from megatron_slapo.parallel.experts import TensorParallelExperts
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
     HeadParallelDropout,
+    LocalHeads,
     ParallelRegionInput,
     RowParallel,
     VocabParallelEmbedding,
     VocabParallelHead,
     compile_pattern,
     matching,
+    placements_of,
 )
 from megatron_slapo.parallel.sequence import SplitAlongSequence
 from megatron_slapo.primitives.attention_core import core_kind
@@ -136,15 +138,17 @@ class LocalHeadAttrs:
         tp = sch.world_size
         kv, heads = getattr(self.config, "num_key_value_heads", None), self.config.num_attention_heads
         shared_kv = bool(kv) and kv < tp and tp % kv == 0  # one key/value head a rank (KeyValueColumnParallel)
+        divided = []
         for attr, field in HEAD_ATTRS.items():
-            value, whole = getattr(sch.mod, attr, None), getattr(self.config, field, None)
-            if isinstance(value, int) and value == whole:
-                if field == "num_key_value_heads" and shared_kv:
-                    setattr(sch.mod, attr, 1)
-                    continue
-                if value % tp:
-                    raise sch._error(f"{attr}={value} is not divisible by the tensor-parallel size {tp}")
-                setattr(sch.mod, attr, value // tp)
+            value = getattr(sch.mod, attr, None)
+            if not isinstance(value, int) or value != getattr(self.config, field, None):
+                continue  # not a count of the whole model's
+            if shared_kv and field == "num_key_value_heads":
+                setattr(sch.mod, attr, 1)
+            else:
+                divided.append(attr)
+        if divided:
+            LocalHeads(*divided).apply(sch)  # each divided by the TP size, which must divide it
         if shared_kv and isinstance(getattr(sch.mod, "num_key_value_groups", None), int):
             sch.mod.num_key_value_groups = heads // tp  # this rank's query heads, all on its one key/value head
 
@@ -266,9 +270,7 @@ def check_regions(sch: Schedule, plan: dict[str, Any]) -> None:
     """SchedulingError if a module inside a tensor-parallel region (an attention block, an MLP) that
     the plan does not place holds a parameter not tagged for summed gradients: it sees only this
     rank's heads or features, and the plan says nothing of it (Phi's q/k layer norms)."""
-    regions = [
-        p for p, v in plan.items() if isinstance(v, tuple) and any(isinstance(x, ParallelRegionInput) for x in v)
-    ]
+    regions = [p for p, v in plan.items() if any(isinstance(x, ParallelRegionInput) for x in placements_of(v))]
     for pattern in regions:
         for path in matching(sch, pattern):
             for sub, node in sch[path].named_schedules():

@@ -242,6 +242,11 @@ def matching(sch: Schedule, pattern: str) -> list[str]:
     return [p for p, _ in sch.named_schedules() if p and regex.match(p)]
 
 
+def placements_of(entry: Placement | tuple[Placement, ...]) -> tuple[Placement, ...]:
+    """A plan entry's placements: the tuple it is, or its one placement."""
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
 def apply_plan(sch: Schedule, plan: Mapping[str, Placement | tuple[Placement, ...]]) -> list[str]:
     """Apply each placement (or tuple of placements) to every module whose path matches its
     pattern; return the paths.
@@ -261,7 +266,7 @@ def apply_plan(sch: Schedule, plan: Mapping[str, Placement | tuple[Placement, ..
         matched = [p for p in paths if regex.match(p)]
         if not matched and not pattern.endswith("?"):
             raise SchedulingError(f"plan pattern {pattern!r} matches no submodule of {type(sch.mod).__name__}")
-        for placement in placements if isinstance(placements, tuple) else (placements,):
+        for placement in placements_of(placements):
             for path in matched:
                 placement.apply(sch[path])
             if isinstance(placement, ParallelRegionInput):

@@ -21,10 +21,10 @@ from megatron_slapo.training.trainer_args import check_trainer_args, resolve_tra
 GPT_MODEL_TYPES = ("gpt2", "gpt_neo", "opt", "llama")
 BERT_MODEL_TYPES = ("bert", "roberta", "albert")
 
-# The embedded default run (no data flags): a small model that trains in minutes on 2 CPU cores.
 # Megatron's MoE flags: they shape the experts of an MoE --model-type built from the size flags
 MOE_FLAGS = ("num_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_router_topk")
 
+# The embedded default run (no data flags): a small model that trains in minutes on 2 CPU cores.
 # Each value applies only where the user gave no flag of that name; the start of the run lists them.
 EMBEDDED_DEFAULTS = dict(
     num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=128, micro_batch_size=8,

@@ -119,9 +119,9 @@ def setup(args: argparse.Namespace) -> Run:
     tokenizer = build_tokenizer(
         args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model, args.vocab_size
     )
-    config = build_config(args, tokenizer)
-    if args.schedule is None:
-        args.schedule = default_for(config.model_type, args.tensor_model_parallel_size)
+    chosen = args.schedule
+    config = build_config(args, tokenizer)  # sets the default schedule when the config gave the type
+    if chosen is None:
         print_rank_0(f" > schedule: {args.schedule} (the default for {config.model_type})")
     schedule = get_schedule(args.schedule)
     check_fits(args.schedule, config.model_type)

@@ -160,7 +160,8 @@ def _set_experts(
 
 
 def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.PretrainedConfig:
-    """The HF config of the run, with the padded vocabulary, checked against the TP size."""
+    """The HF config of the run, with the padded vocabulary, checked against the TP size (and
+    against the schedule, which it sets, without ``--schedule``, to the default for the config's type)."""
     tp = args.tensor_model_parallel_size
     args.true_vocab_size = tokenizer.vocab_size
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, tp)
@@ -173,8 +174,9 @@ def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.Pretr
         args.padded_vocab_size = config.vocab_size
     else:
         config = _from_flags(args, args.padded_vocab_size, tokenizer)
-    schedule = args.schedule or default_for(config.model_type, tp)  # what the run will apply
-    check_divisible(config, tp, shared_kv_heads=schedule == "auto")
+    if args.schedule is None:  # no --schedule: the default for the config's type (--hf-config, --load-hf)
+        args.schedule = default_for(config.model_type, tp)
+    check_divisible(config, tp, shared_kv_heads=args.schedule == "auto")
     if args.seq_length and args.seq_length > getattr(config, "max_position_embeddings", args.seq_length):
         raise ConfigError(
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions"
