@@ -79,12 +79,12 @@ def test_embedded_run_with_a_pretrained_model_keeps_its_shape(tmp_path):
 @pytest.mark.parametrize(
     "task, argv, message",
     [
-        ("gpt", ["--schedule", "bert_tp"], "--schedule bert_tp is for bert and roberta models, not gpt2; "
+        ("gpt", ["--schedule", "bert_tp"], "--schedule bert_tp is for bert, roberta and albert models, not gpt2; "
          "schedules that fit gpt2: default, gpt_tp, gpt_fused"),
         ("gpt", ["--schedule", "llama_tp"], "--schedule llama_tp is for llama models, not gpt2; "
          "schedules that fit gpt2: default, gpt_tp, gpt_fused"),
         ("bert", ["--schedule", "llama_tp", "--model-type", "albert"], "--schedule llama_tp is for llama models, "
-         "not albert; schedules that fit albert: default, albert_tp"),
+         "not albert; schedules that fit albert: default, bert_tp"),
         ("gpt", ["--schedule", "auto"], f"--schedule auto is for {', '.join(auto.MODEL_TYPES[:-1])} and "
          f"{auto.MODEL_TYPES[-1]} models, not gpt2; schedules that fit gpt2: default, gpt_tp, gpt_fused"),
         ("gpt", ["--schedule", "gpt_fused", "--engine", "fsdp"], "--schedule gpt_fused compiles its layers: compiled "

@@ -24,7 +24,7 @@ def test_one_error_line_under_torchrun_before_anything_starts():
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "pretrain_gpt.py: error:" in line]
     assert proc.returncode != 0
     assert lines == ["pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_fused, "
-                     "gpt_neo_tp, opt_tp, llama_tp, bert_tp, albert_tp, auto"], proc.stderr[-2000:]  # fmt: skip
+                     "gpt_neo_tp, opt_tp, llama_tp, bert_tp, wideresnet_tp, auto"], proc.stderr[-2000:]  # fmt: skip
 
 
 def test_the_error_line_survives_rank_0_failing_last(tmp_path):
@@ -43,7 +43,7 @@ def test_the_error_line_survives_rank_0_failing_last(tmp_path):
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "pretrain_gpt.py: error:" in line]
     assert proc.returncode != 0
     assert lines == ["pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_fused, "
-                     "gpt_neo_tp, opt_tp, llama_tp, bert_tp, albert_tp, auto"], proc.stderr[-2000:]  # fmt: skip
+                     "gpt_neo_tp, opt_tp, llama_tp, bert_tp, wideresnet_tp, auto"], proc.stderr[-2000:]  # fmt: skip
 
 
 def test_single_process_error_exit_code_and_no_traceback():
@@ -112,6 +112,6 @@ apply = make(PLAN)
     proc = run(sys.executable, "tools/loc.py")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines()[2:]]
-    schedules = {"gpt_tp", "gpt_fused", "gpt_neo_tp", "opt_tp", "llama_tp", "bert_tp", "albert_tp", "auto"}
+    schedules = {"gpt_tp", "gpt_fused", "gpt_neo_tp", "opt_tp", "llama_tp", "bert_tp", "wideresnet_tp", "auto"}
     assert {r[0].strip() for r in rows} == schedules
     assert all(r[4].strip() == "yes" for r in rows), proc.stdout

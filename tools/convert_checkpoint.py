@@ -22,6 +22,7 @@ import torch
 import transformers
 
 from megatron_slapo.errors import CheckpointError, ConfigError
+from megatron_slapo.models import MODEL_CLASSES
 from megatron_slapo.parallel.layout import unshard
 from megatron_slapo.training import checkpointing
 
@@ -77,34 +78,46 @@ def to_hf(args: argparse.Namespace) -> None:
     meta = states[0]["slapo"]
     config_dict = json.loads(meta["hf_config"])
     config = transformers.AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
-    config.vocab_size = meta["vocab"]["true"]
+    if meta["vocab"]["true"] is not None:  # image models have no vocabulary
+        config.vocab_size = meta["vocab"]["true"]
     with torch.device("meta"):
-        model = getattr(transformers, meta["model_class"])(config)
+        model = (getattr(transformers, meta["model_class"], None) or MODEL_CLASSES[meta["model_class"]])(config)
     model.load_state_dict(full_state_dict(states), assign=True)
     model.tie_weights()
     model.save_pretrained(args.save_hf, safe_serialization=True)
     saved_args = json.loads(states[0]["args"])
-    tokenizer_note = ""
-    try:
-        from megatron_slapo.data.tokenizers import Tokenizer, build_tokenizer
-
-        tok = build_tokenizer(saved_args["tokenizer_type"], saved_args.get("vocab_file"), saved_args.get("merge_file"),
-                              saved_args.get("tokenizer_model"), saved_args.get("vocab_size"))  # fmt: skip
-        if isinstance(tok, Tokenizer):
-            tok.hf.save_pretrained(args.save_hf)
-            tokenizer_note = " and its tokenizer"
-    except (ValueError, FileNotFoundError, TypeError, KeyError):
-        tokenizer_note = " (tokenizer files not found: copy them yourself)"
+    tokenizer_note = "" if saved_args.get("task") == "vision" else _save_tokenizer(saved_args, args.save_hf)
     print(
         f"wrote {type(model).__name__} (iteration {iteration}, TP {len(states)} -> 1){tokenizer_note} to {args.save_hf}"
     )
 
 
+def _save_tokenizer(saved_args: dict, save_hf: str) -> str:
+    """Save the run's tokenizer beside the model; return what to add to the report."""
+    try:
+        from megatron_slapo.data.tokenizers import Tokenizer, build_tokenizer
+
+        tok = build_tokenizer(saved_args["tokenizer_type"], saved_args.get("vocab_file"), saved_args.get("merge_file"),
+                              saved_args.get("tokenizer_model"), saved_args.get("vocab_size"))  # fmt: skip
+    except (ValueError, FileNotFoundError, TypeError, KeyError):
+        return " (tokenizer files not found: copy them yourself)"
+    if not isinstance(tok, Tokenizer):
+        return ""
+    tok.hf.save_pretrained(save_hf)
+    return " and its tokenizer"
+
+
 def from_hf(args: argparse.Namespace) -> None:
     import megatron_slapo as ms
     from megatron_slapo import parallel
-    from megatron_slapo.training.arguments import BERT_MODEL_TYPES
-    from megatron_slapo.training.model import auto_class, check_divisible, hf_vocab_size, vocab_parameter_names
+    from megatron_slapo.training.arguments import BERT_MODEL_TYPES, VISION_MODEL_TYPES
+    from megatron_slapo.training.model import (
+        auto_class,
+        check_channels,
+        check_divisible,
+        hf_vocab_size,
+        vocab_parameter_names,
+    )
     from schedules import check_fits, get_schedule
 
     tp = args.tensor_model_parallel_size
@@ -115,15 +128,25 @@ def from_hf(args: argparse.Namespace) -> None:
     config = transformers.AutoConfig.from_pretrained(args.load_hf)
     check_fits(args.schedule, config.model_type)
     parallel.initialize(tensor_parallel=tp)
-    task = "bert" if config.model_type in BERT_MODEL_TYPES else "gpt"
+    task = (
+        "vision"
+        if config.model_type in VISION_MODEL_TYPES
+        else "bert"
+        if config.model_type in BERT_MODEL_TYPES
+        else "gpt"
+    )
     binary_head = not args.bert_no_binary_head and config.model_type != "roberta"  # as pretrain_bert.py decides
     model = auto_class(argparse.Namespace(task=task, bert_binary_head=binary_head)).from_pretrained(args.load_hf)
-    true_vocab = model.get_input_embeddings().num_embeddings
-    # The rows a training run with --load-hf gives this model (its tokenizer taken to be the model's).
-    padded = hf_vocab_size(true_vocab, true_vocab, args.make_vocab_size_divisible_by, tp)
-    if padded != true_vocab:
-        model.resize_token_embeddings(padded, mean_resizing=False)
-    check_divisible(model.config, tp, shared_kv_heads=args.schedule == "auto")
+    true_vocab = padded = None  # an image model has no vocabulary
+    if task == "vision":
+        check_channels(model.config, tp)
+    else:
+        true_vocab = model.get_input_embeddings().num_embeddings
+        # The rows a training run with --load-hf gives this model (its tokenizer taken to be the model's).
+        padded = hf_vocab_size(true_vocab, true_vocab, args.make_vocab_size_divisible_by, tp)
+        if padded != true_vocab:
+            model.resize_token_embeddings(padded, mean_resizing=False)
+        check_divisible(model.config, tp, shared_kv_heads=args.schedule == "auto")
     vocab_params = vocab_parameter_names(model)
     sch = ms.create_schedule(model)
     get_schedule(args.schedule).apply(sch, model.config, args)

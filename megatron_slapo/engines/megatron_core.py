@@ -187,7 +187,9 @@ class MegatronEngine:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         iterators = [iter(microbatches) for _ in self.ddp]
-        seq_length = task.inputs(microbatches[0])["input_ids"].size(1)
+        inputs = task.inputs(microbatches[0])
+        # the pipeline's p2p shape; image models run in one stage (pretrain_vision.py refuses more)
+        seq_length = inputs["input_ids"].size(1) if "input_ids" in inputs else 1
         with cpu_compat.device_mode():
             schedule = get_forward_backward_func(self.pp_size, self.config.virtual_pipeline_model_parallel_size)
             stored = schedule(

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch.fx as fx
+from torch.nn.modules.conv import _ConvNd
 from transformers import PreTrainedModel
 
 from megatron_slapo.errors import SchedulingError
@@ -40,9 +41,14 @@ class Placement(Protocol):
 
 
 def _axes(sch: Schedule) -> tuple[int, int]:
+    """The (output, input) feature axes of a Linear-like weight or a convolution's (out, in, *kernel)."""
+    if isinstance(sch.mod, _ConvNd):
+        if sch.mod.groups != 1:
+            raise sch._error(f"a grouped convolution (groups={sch.mod.groups}) cannot split its channels as one")
+        return 0, 1
     axes = linear_axes(sch.mod)
     if axes is None:
-        raise sch._error(f"expected nn.Linear or HF Conv1D, found {type(sch.mod).__name__}")
+        raise sch._error(f"expected nn.Linear, HF Conv1D or a convolution, found {type(sch.mod).__name__}")
     return axes
 
 
@@ -53,7 +59,7 @@ def _shard_bias(sch: Schedule, stride: int) -> None:
 
 @dataclass(frozen=True)
 class ColumnParallel:
-    """Split the output features; all-reduce the input gradient (Megatron's f).
+    """Split the output features (a convolution's output channels); all-reduce the input gradient (Megatron's f).
 
     ``stride`` is the number of fused blocks in the output (3 for q|k|v). ``gather_output``
     all-gathers the result for layers whose consumer needs every feature. ``reduce_input_grad=False``
@@ -75,6 +81,10 @@ class ColumnParallel:
         elif self.reduce_input_grad:
             sch.sync("bwd_post", "all_reduce")
         if self.gather_output:
+            if isinstance(sch.mod, _ConvNd):
+                raise sch._error(
+                    "gather a convolution's channels with GatherChannels() on the module that ends the region"
+                )
             sch.sync("fwd_post", "all_gather", axis=-1)
 
 
@@ -107,14 +117,18 @@ class ParallelRegionInput:
 
 @dataclass(frozen=True)
 class RowParallel:
-    """Split the input features; all-reduce the output (Megatron's g), then add the bias once; under
-    sequence parallelism reduce-scatter it along the sequence instead."""
+    """Split the input features (a convolution's input channels); all-reduce the output (Megatron's
+    g), then add the bias once; under sequence parallelism reduce-scatter it along the sequence instead."""
 
     sequence_parallel: bool = False
     sequence_dim: int = 1  # as in ColumnParallel
 
     def apply(self, sch: Schedule) -> None:
-        sch.shard("weight", axis=_axes(sch)[1])
+        axis = _axes(sch)[1]
+        if isinstance(sch.mod, _ConvNd) and sch.mod.bias is not None:
+            raise sch._error("a row-parallel convolution must add its bias after the reduction: give it bias=False "
+                             "and add the bias in the module that follows")  # fmt: skip
+        sch.shard("weight", axis=axis)
         if self.sequence_parallel:
             sch.sync("fwd_post", "reduce_scatter", axis=self.sequence_dim)
         else:

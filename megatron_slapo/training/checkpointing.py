@@ -184,7 +184,11 @@ def export_metadata(tensors: dict[str, torch.Tensor], model_class: str, args: ar
         "model_class": model_class,
         "hf_config": config.to_json_string(),
         "shards": shards,
-        "vocab": {"true": args.true_vocab_size, "padded": args.padded_vocab_size, "params": vocab_params},
+        "vocab": {
+            "true": getattr(args, "true_vocab_size", None),
+            "padded": getattr(args, "padded_vocab_size", None),
+            "params": vocab_params,
+        },  # fmt: skip
         "tensor_parallel_size": args.tensor_model_parallel_size,
     }
 

@@ -36,10 +36,11 @@ from megatron_slapo.training import checkpointing, error_report, recompute
 from megatron_slapo.training.arguments import parse_args, validate_args
 from megatron_slapo.training.checkpointing import Layout, Resume
 from megatron_slapo.training.exit_conditions import ExitConditions
-from megatron_slapo.training.flops import device_peak_tflops, flops_per_token
+from megatron_slapo.training.flops import device_peak_tflops, flops_per_image, flops_per_token
 from megatron_slapo.training.model import (
     auto_class,
     build_config,
+    build_vision_config,
     check_attention_backend,
     create_model,
     pipeline_stages,
@@ -49,7 +50,7 @@ from megatron_slapo.training.model import (
     vocab_parameter_names,
 )
 from megatron_slapo.training.reporting import Reporter, log_engine_memory
-from megatron_slapo.training.tasks import BERTTask, GPTTask
+from megatron_slapo.training.tasks import BERTTask, GPTTask, VisionTask
 from megatron_slapo.training.trainer_args import print_arguments
 from schedules import check_fits, default_for, describe, get_schedule
 
@@ -63,7 +64,7 @@ class Run:
     """Everything :func:`train` needs, assembled by :func:`setup`."""
 
     args: argparse.Namespace
-    task: GPTTask | BERTTask
+    task: GPTTask | BERTTask | VisionTask
     engine: Engine
     layout: Layout
     resume: Resume
@@ -114,42 +115,32 @@ def setup(args: argparse.Namespace) -> Run:
     parallel.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=args.seed,
                         timeout_minutes=args.distributed_timeout_minutes)  # fmt: skip
     layout = Layout.current()
-    if args.embedded_data:
-        _use_embedded_data(args)
-    tokenizer = build_tokenizer(
-        args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model, args.vocab_size
-    )
+    tp_group = parallel.tensor_parallel_group()
     chosen = args.schedule
-    config = build_config(args, tokenizer)  # sets the default schedule when the config gave the type
+    if args.task == "vision":
+        config, task, tokenizer = build_vision_config(args), VisionTask(), None
+        # megatron-core's TransformerConfig needs them: the blocks, the last stage's channels, and
+        # "heads" it accepts (a multiple of the TP size): an image model has none
+        args.num_layers, args.hidden_size = config.num_hidden_layers, config.channels[-1]
+        args.num_attention_heads = args.tensor_model_parallel_size
+    else:
+        config, task, tokenizer = _language_task(args, tp_group)
     if chosen is None:
         print_rank_0(f" > schedule: {args.schedule} (the default for {config.model_type})")
     schedule = get_schedule(args.schedule)
     check_fits(args.schedule, config.model_type)
-    if args.seq_length is None:
-        args.seq_length = config.max_position_embeddings
-    if args.sequence_parallel and args.seq_length % args.tensor_model_parallel_size:
-        raise ConfigError(f"--sequence-parallel splits the sequence: --seq-length {args.seq_length} is not "
-                          f"divisible by --tensor-model-parallel-size {args.tensor_model_parallel_size}")  # fmt: skip
-    for name in ("num_layers", "hidden_size", "num_attention_heads"):  # as Megatron's args carry them
-        setattr(args, name, getattr(config, "num_hidden_layers" if name == "num_layers" else name))
-    print_rank_0(
-        f"> padded vocab (size: {args.true_vocab_size}) with {args.padded_vocab_size - args.true_vocab_size} "
-        f"dummy tokens (new size: {args.padded_vocab_size})"
-    )
-    tp_group = parallel.tensor_parallel_group()
-    if args.task == "gpt":
-        task: GPTTask | BERTTask = GPTTask(args.padded_vocab_size, tp_group, args.reset_position_ids,
-                                           args.reset_attention_mask, getattr(tokenizer, "eod", None))  # fmt: skip
-    else:
-        task = BERTTask(args.padded_vocab_size, tp_group, args.bert_binary_head)
     datasets = task.build_datasets(args, tokenizer, _split_sizes(args))
     resume_path = checkpointing.checkpoint_file(args.load, layout) if args.load else None
 
     model = create_model(args, config)
     if isinstance(task, GPTTask):
         task.attention = model.config._attn_implementation  # the form of the 4D mask it takes
-    tokens_per_iteration = args.global_batch_size * args.seq_length
-    flops = flops_per_token(auto_class(args), config, args.seq_length)
+    if isinstance(task, VisionTask):
+        unit, per_iteration = "samples", args.global_batch_size
+        flops = flops_per_image(auto_class(args), config, args.img_h, args.img_w)
+    else:
+        unit, per_iteration = "tokens", args.global_batch_size * args.seq_length
+        flops = flops_per_token(auto_class(args), config, args.seq_length)
     metadata_vocab, model_class = vocab_parameter_names(model), type(model).__name__
     sch = ms.create_schedule(model)
     stages = pipeline_stages(args, config.num_hidden_layers)
@@ -216,8 +207,37 @@ def setup(args: argparse.Namespace) -> Run:
         print_rank_0(
             f" > WARNING: no checkpoint in {args.load} yet ({checkpointing.LATEST} not found): starting from scratch"
         )
-    reporter = Reporter(args, flops * tokens_per_iteration, tokens_per_iteration, device_peak_tflops(args.peak_tflops))
+    reporter = Reporter(args, flops * per_iteration, per_iteration, device_peak_tflops(args.peak_tflops), unit)
     return Run(args, task, engine, layout, resume, datasets, reporter, metadata, started)
+
+
+def _language_task(args: argparse.Namespace, tp_group: Any) -> tuple[Any, GPTTask | BERTTask, Any]:
+    """The config, task and tokenizer of pretrain_gpt.py / pretrain_bert.py (the embedded corpus
+    when no data is given); sets the default schedule and Megatron's model-shape arguments."""
+    if args.embedded_data:
+        _use_embedded_data(args)
+    tokenizer = build_tokenizer(
+        args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model, args.vocab_size
+    )
+    config = build_config(args, tokenizer)  # sets the default schedule when the config gave the type
+    if args.seq_length is None:
+        args.seq_length = config.max_position_embeddings
+    if args.sequence_parallel and args.seq_length % args.tensor_model_parallel_size:
+        raise ConfigError(f"--sequence-parallel splits the sequence: --seq-length {args.seq_length} is not "
+                          f"divisible by --tensor-model-parallel-size {args.tensor_model_parallel_size}")  # fmt: skip
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):  # as Megatron's args carry them
+        setattr(args, name, getattr(config, "num_hidden_layers" if name == "num_layers" else name))
+    print_rank_0(
+        f"> padded vocab (size: {args.true_vocab_size}) with {args.padded_vocab_size - args.true_vocab_size} "
+        f"dummy tokens (new size: {args.padded_vocab_size})"
+    )
+    if args.task == "gpt":
+        eod = getattr(tokenizer, "eod", None)
+        task: GPTTask | BERTTask = GPTTask(args.padded_vocab_size, tp_group, args.reset_position_ids,
+                                           args.reset_attention_mask, eod)  # fmt: skip
+    else:
+        task = BERTTask(args.padded_vocab_size, tp_group, args.bert_binary_head)
+    return config, task, tokenizer
 
 
 def _layers(args: argparse.Namespace, model: Any, num_layers: int, stages: int) -> list[str]:

@@ -19,6 +19,7 @@ from torch import nn
 
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels import attention
+from megatron_slapo.models.wideresnet import WideResNetConfig
 from schedules import default_for
 
 # --model-type -> HF config class (the model class follows from the task, see auto_class)
@@ -184,6 +185,39 @@ def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.Pretr
     return config
 
 
+def build_vision_config(args: argparse.Namespace) -> transformers.PretrainedConfig:
+    """The image model's config (from the size flags, ``--hf-config`` or ``--load-hf``), checked
+    against the TP size; sets the default schedule. Images under 64 pixels get the 3x3 stem without
+    max-pool (CIFAR's), larger ones torchvision's ImageNet stem."""
+    if args.load_hf or args.hf_config:
+        config = _read_config(args)
+        if not isinstance(config, WideResNetConfig):
+            raise ConfigError(f"{args.load_hf or args.hf_config} holds a {config.model_type} model: pretrain_vision.py "
+                              "trains WideResNet (--model-type wideresnet)")  # fmt: skip
+    else:
+        config = WideResNetConfig(layers=args.resnet_layers, width_per_group=args.width_per_group,
+                                  base_channels=args.base_channels, num_channels=args.num_channels,
+                                  small_images=max(args.img_h, args.img_w) < 64, num_labels=args.num_classes)  # fmt: skip
+    if config.num_labels != args.num_classes or config.num_channels != args.num_channels:
+        raise ConfigError(f"the model classifies {config.num_labels} classes of {config.num_channels}-channel images, "
+                          f"not --num-classes {args.num_classes} of --num-channels {args.num_channels}")  # fmt: skip
+    tp = args.tensor_model_parallel_size
+    check_channels(config, tp)
+    if args.schedule is None:
+        args.schedule = default_for(config.model_type, tp)
+    return config
+
+
+def check_channels(config: WideResNetConfig, tp: int) -> None:
+    """Every stage's bottleneck width and output channels must split evenly across the TP ranks."""
+    for stage, (width, channels) in enumerate(zip(config.widths, config.channels, strict=True)):
+        for what, size in (("bottleneck width", width), ("output channels", channels)):
+            if size % tp:
+                raise ConfigError(
+                    f"--tensor-model-parallel-size {tp} does not divide stage {stage + 1}'s {size} {what}"
+                )
+
+
 def _read_config(args: argparse.Namespace) -> transformers.PretrainedConfig:
     """The config of ``--load-hf DIR`` or ``--hf-config NAME_OR_DIR``, checked to be a model this task trains."""
     flag, source = ("--load-hf", args.load_hf) if args.load_hf else ("--hf-config", args.hf_config)
@@ -208,7 +242,11 @@ def check_task_fits(config: transformers.PretrainedConfig, task: str, source: st
     """pretrain_gpt.py trains next-token prediction, pretrain_bert.py masked LM: refuse a model that
     cannot do it (an encoder for GPT, a decoder for BERT) rather than train the wrong objective."""
     kind = config.model_type
-    if task == "gpt":
+    if task == "vision":
+        if type(config) not in transformers.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING:
+            raise ConfigError(f"{source} holds a {kind} model, which is not an image classifier: pretrain_vision.py "
+                              "trains image models such as WideResNet")  # fmt: skip
+    elif task == "gpt":
         causal = type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and not config.is_encoder_decoder
         # Encoder families that HF can also run as decoders carry `is_decoder` (False unless set).
         if not causal or not getattr(config, "is_decoder", True):
@@ -241,7 +279,10 @@ def check_divisible(config: transformers.PretrainedConfig, tp: int, shared_kv_he
 
 
 def auto_class(args: argparse.Namespace) -> type:
-    """The HF auto class to build: causal LM; BERT pretraining heads, or masked LM without a binary head."""
+    """The HF auto class to build: causal LM; BERT pretraining heads, or masked LM without a binary
+    head; image classifier."""
+    if args.task == "vision":
+        return transformers.AutoModelForImageClassification
     if args.task == "gpt":
         return transformers.AutoModelForCausalLM
     return transformers.AutoModelForPreTraining if args.bert_binary_head else transformers.AutoModelForMaskedLM
@@ -256,7 +297,7 @@ ATTENTION_BACKENDS = {"auto": None, "flash": attention.implementation("flash"),
 
 def check_attention_backend(args: argparse.Namespace) -> None:
     """ConfigError, before anything is built, when the --attention-backend kernel cannot train here."""
-    if args.attention_backend in attention.KERNELS:
+    if getattr(args, "attention_backend", None) in attention.KERNELS:  # image models have no attention
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         problem = attention.unavailable(args.attention_backend, device, args.attention_dropout)
         if problem:
@@ -265,14 +306,14 @@ def check_attention_backend(args: argparse.Namespace) -> None:
 
 
 def create_model(args: argparse.Namespace, config: transformers.PretrainedConfig) -> nn.Module:
-    """On the meta device, or with ``--load-hf`` the pretrained weights (vocabulary padded)."""
+    """On the meta device, or with ``--load-hf`` the pretrained weights (a language model's vocabulary padded)."""
     auto = auto_class(args)
     backend = ATTENTION_BACKENDS[getattr(args, "attention_backend", "auto")]
     kwargs = {"attn_implementation": backend} if backend else {}
     try:
         if args.load_hf:
             model = auto.from_pretrained(args.load_hf, **kwargs)
-            if model.get_input_embeddings().num_embeddings != config.vocab_size:
+            if args.task != "vision" and model.get_input_embeddings().num_embeddings != config.vocab_size:
                 model.resize_token_embeddings(config.vocab_size, mean_resizing=False)
             return model
         with torch.device("meta"):
@@ -285,7 +326,10 @@ def create_model(args: argparse.Namespace, config: transformers.PretrainedConfig
 
 
 def transformer_layers(model: nn.Module, num_layers: int) -> list[str]:
-    """Paths of the model's transformer layers: the ModuleList with one entry per layer."""
+    """Paths of the model's transformer layers: the ModuleList with one entry per layer (or the
+    blocks a model lists itself, as WideResNet's stages)."""
+    if hasattr(model, "layer_paths"):
+        return model.layer_paths()
     for path, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) == num_layers:
             return [f"{path}.{i}" for i in range(num_layers)]
@@ -305,7 +349,10 @@ def shared_layers(model: nn.Module) -> list[str]:
 
 
 def vocab_parameter_names(model: nn.Module) -> list[str]:
-    """Names (ties included) of the tensors with one row per vocabulary entry: embedding, LM head, its bias."""
+    """Names (ties included) of the tensors with one row per vocabulary entry: embedding, LM head, its
+    bias (none for an image model)."""
+    if model.main_input_name == "pixel_values":
+        return []
     out = model.get_output_embeddings()
     vocab_tensors = [model.get_input_embeddings().weight, getattr(out, "weight", None), getattr(out, "bias", None)]
     ids = {id(t) for t in vocab_tensors if t is not None}

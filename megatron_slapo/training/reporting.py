@@ -57,8 +57,9 @@ class Reporter:
     """Accumulates a log interval of steps; prints the log line; writes TensorBoard scalars."""
 
     def __init__(self, args: argparse.Namespace, flops_per_iteration: float, tokens_per_iteration: int,
-                 peak_tflops: float | None) -> None:  # fmt: skip
-        self.args = args
+                 peak_tflops: float | None, unit: str = "tokens") -> None:  # fmt: skip
+        """``tokens_per_iteration`` counts ``unit``: tokens, or samples for an image model."""
+        self.args, self.unit = args, unit
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.is_last = (dist.get_rank() if dist.is_initialized() else 0) == self.world - 1
         self.flops, self.tokens, self.peak = flops_per_iteration, tokens_per_iteration, peak_tflops
@@ -109,7 +110,7 @@ class Reporter:
         scalars = {
             "learning-rate": result.learning_rate, "batch-size": self.args.global_batch_size,
             "loss-scale": result.loss_scale, "world-size": self.world, "iteration-time": seconds,
-            "throughput": tflops, "throughput(tps)": tps, "tflops": tflops,
+            "throughput": tflops, f"throughput({self.unit[0]}ps)": tps, "tflops": tflops,
         }  # fmt: skip
         if mfu is not None:
             scalars["mfu(%)"] = mfu
@@ -154,7 +155,7 @@ class Reporter:
         fields += [
             f"number of skipped iterations: {self.skipped:3d}",
             f"number of nan iterations: {self.nans:3d}",
-            f"tokens per second: {tps:.0f}",
+            f"{self.unit} per second: {tps:.0f}",
             f"MFU: {mfu:.1f}%" if mfu is not None else "MFU: n/a (no peak FLOP/s known for a CPU; see --peak-tflops)",
         ]
         if self.comm:
@@ -169,11 +170,12 @@ class Reporter:
         kind = "validation" if split == "val" else split
         for name, value in sorted(metrics.items()):
             ppl = math.exp(min(20.0, value))
-            parts.append(f"{name} value: {value:.6E} | {name} PPL: {ppl:.6E}")
+            is_loss = name.endswith("loss")  # a perplexity only for a loss (not for an accuracy)
+            parts.append(f"{name} value: {value:.6E}" + (f" | {name} PPL: {ppl:.6E}" if is_loss else ""))
             if self.writer:
                 self.writer.add_scalar(f"{name} {kind}", value, iteration)
                 self.writer.add_scalar(f"{name} {kind} vs samples", value, consumed)
-                if self.args.log_validation_ppl_to_tensorboard:
+                if self.args.log_validation_ppl_to_tensorboard and is_loss:
                     self.writer.add_scalar(f"{name} {kind} ppl", ppl, iteration)
                     self.writer.add_scalar(f"{name} {kind} ppl vs samples", ppl, consumed)
         where = f"at the end of training for {split} data" if at_end else f"at iteration {iteration}"

@@ -1,4 +1,4 @@
-"""What differs between pretrain_gpt.py and pretrain_bert.py: datasets, model inputs, losses.
+"""What differs between pretrain_gpt.py, pretrain_bert.py and pretrain_vision.py: datasets, model inputs, losses.
 
 Losses are computed here from the model's logits rather than by HF's ``labels=`` path, so that
 logits left split along the vocabulary by a tensor-parallel schedule go through the
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_slapo.data.datasets import SplitSizes, build_bert_datasets, build_gpt_datasets
+from megatron_slapo.data.images import SPLITS, PatternImages
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.parallel.collectives import Group
 from megatron_slapo.parallel.vocab import vocab_parallel_cross_entropy
@@ -137,3 +138,26 @@ class BERTTask(_ModelLoss):
         sop = F.cross_entropy(order_logits.float(), batch["is_random"].long())
         metrics["sop loss"] = sop.detach()
         return lm + sop, metrics
+
+
+@dataclass
+class VisionTask(_ModelLoss):
+    """Image classification (``pretrain_vision.py``): cross-entropy on the logits, and top-1
+    accuracy, named ``loss`` and ``accuracy`` as Megatron's vision classification logs them."""
+
+    @staticmethod
+    def build_datasets(args: argparse.Namespace, tokenizer: Any, sizes: SplitSizes) -> tuple:
+        """The generated image set (``data/images.py``), each split sized as the run needs it."""
+        shape = (args.img_h, args.img_w, args.num_channels, args.num_classes)
+        return tuple(PatternImages(n, split, args.seed, *shape) if n else None
+                     for n, split in zip(sizes.as_list(), SPLITS, strict=True))  # fmt: skip
+
+    @staticmethod
+    def inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {"pixel_values": batch["pixels"]}
+
+    def criterion(self, out: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        logits = out.logits.float()
+        loss = F.cross_entropy(logits, batch["label"])
+        accuracy = (logits.argmax(-1) == batch["label"]).float().mean()
+        return loss, {"loss": loss.detach(), "accuracy": accuracy}

@@ -34,13 +34,13 @@ def last_rank_value(fn):
     return box[0]
 
 
-def train_losses(task: str, argv: list[str], tb: str) -> dict[int, float]:
-    """Train in-process on every rank; return ``lm loss`` per iteration."""
+def train_losses(task: str, argv: list[str], tb: str, tag: str = "lm loss") -> dict[int, float]:
+    """Train in-process on every rank; return the loss (TensorBoard ``tag``) per iteration."""
     pretrain(task, [*argv, "--tensorboard-dir", tb])
-    return last_rank_value(lambda: tb_scalars(tb, "lm loss"))
+    return last_rank_value(lambda: tb_scalars(tb, tag))
 
 
-def single_process_losses(task: str, argv: list[str], tb: str) -> dict[int, float]:
+def single_process_losses(task: str, argv: list[str], tb: str, tag: str = "lm loss") -> dict[int, float]:
     """The same run as one plain process (no torchrun), started by rank 0: the reference layout."""
     if dist.get_rank() == 0:
         env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC")}
@@ -48,7 +48,7 @@ def single_process_losses(task: str, argv: list[str], tb: str) -> dict[int, floa
         done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
     dist.barrier()
-    box = [tb_scalars(tb, "lm loss") if dist.get_rank() == 0 else None]
+    box = [tb_scalars(tb, tag) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -72,10 +72,10 @@ def layout_case(key: str, layout: str, world_sizes: tuple[int, ...], flags: list
     return pytest.param(key, flags, id=f"{key}-{layout}", marks=pytest.mark.world_sizes(*world_sizes))
 
 
-def assert_parity(losses: dict[int, float], expected: dict[int, float], tolerance: float) -> None:
-    """The same 10 iterations, each loss within ``tolerance``, and a reference that did learn
+def assert_parity(losses: dict[int, float], expected: dict[int, float], tolerance: float, steps: int = 10) -> None:
+    """The same ``steps`` iterations, each loss within ``tolerance``, and a reference that did learn
     (parity between two flat lines would prove nothing)."""
-    assert sorted(losses) == sorted(expected) == list(range(1, 11))
+    assert sorted(losses) == sorted(expected) == list(range(1, steps + 1))
     worst = max(abs(losses[i] - expected[i]) for i in expected)
     assert worst < tolerance, (worst, losses, expected)
-    assert expected[10] < expected[1] - 0.1
+    assert expected[steps] < expected[1] - 0.1

@@ -28,7 +28,7 @@ from tests.utils import require_compiler
 
 TOLERANCE = 1e-5
 SCHEDULES = {"gpt": ["--schedule", "gpt_tp"], "bert": ["--schedule", "bert_tp"]}
-ALBERT = ["--model-type", "albert", "--schedule", "albert_tp"]
+ALBERT = ["--model-type", "albert", "--schedule", "bert_tp"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 ZERO = ["--engine", "deepspeed", "--zero-stage"]
 MEGATRON = ["--engine", "megatron"]

@@ -1,0 +1,27 @@
+"""Megatron-style tensor parallelism for WideResNet: bottleneck channels split across ranks.
+
+In each block the 1x1 reduce (and the projection shortcut) split their output channels, the 3x3
+convolution its input channels (its output all-reduced), and the 1x1 expand its output channels
+again; the BatchNorms after split convolutions keep their own channels and statistics, the one
+after the all-reduce is replicated. The block's input gradient is all-reduced once, and its output
+is all-gathered for the next block. Stem and classifier replicate.
+"""
+
+from megatron_slapo.parallel.channels import ChannelParallelNorm, GatherChannels, ShortcutChannels
+from megatron_slapo.parallel.plans import ColumnParallel, ParallelRegionInput, RowParallel
+from megatron_slapo.parallel.sequence import plan_schedule
+
+MODEL_TYPES = ("wideresnet",)  # HF config.model_type values this schedule is written for
+
+BLOCK = "{layer1,layer2,layer3,layer4}.*"  # every block of the (up to) four stages
+PLAN = {
+    BLOCK: (ParallelRegionInput(), GatherChannels()),
+    f"{BLOCK}.conv1": ColumnParallel(reduce_input_grad=False),
+    f"{BLOCK}.conv2": RowParallel(),
+    f"{BLOCK}.conv3": ColumnParallel(),
+    f"{BLOCK}.{{bn1,bn3}}": ChannelParallelNorm(),
+    f"{BLOCK}.downsample.0": ColumnParallel(reduce_input_grad=False),
+    f"{BLOCK}.downsample.1": ChannelParallelNorm(),
+    f"{BLOCK}.downsample": ShortcutChannels(),  # an identity shortcut keeps this rank's channels
+}
+apply = plan_schedule(PLAN)
