@@ -8,7 +8,7 @@ adding it here.
 from types import ModuleType
 
 from megatron_slapo.errors import ConfigError
-from schedules import auto, bert_tp, default, gpt_fused, gpt_neo_tp, gpt_tp, llama_tp, opt_tp, wideresnet_tp
+from schedules import auto, bert_tp, default, gpt_fused, gpt_neo_tp, gpt_tp, llama_tp, opt_tp, t5_tp, wideresnet_tp
 
 SCHEDULES: dict[str, ModuleType] = {
     "default": default,
@@ -18,6 +18,7 @@ SCHEDULES: dict[str, ModuleType] = {
     "opt_tp": opt_tp,
     "llama_tp": llama_tp,
     "bert_tp": bert_tp,
+    "t5_tp": t5_tp,
     "wideresnet_tp": wideresnet_tp,
     "auto": auto,
 }

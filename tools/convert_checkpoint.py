@@ -110,7 +110,7 @@ def _save_tokenizer(saved_args: dict, save_hf: str) -> str:
 def from_hf(args: argparse.Namespace) -> None:
     import megatron_slapo as ms
     from megatron_slapo import parallel
-    from megatron_slapo.training.arguments import BERT_MODEL_TYPES, VISION_MODEL_TYPES
+    from megatron_slapo.training.arguments import BERT_MODEL_TYPES, T5_MODEL_TYPES, VISION_MODEL_TYPES
     from megatron_slapo.training.model import (
         auto_class,
         check_channels,
@@ -128,13 +128,9 @@ def from_hf(args: argparse.Namespace) -> None:
     config = transformers.AutoConfig.from_pretrained(args.load_hf)
     check_fits(args.schedule, config.model_type)
     parallel.initialize(tensor_parallel=tp)
-    task = (
-        "vision"
-        if config.model_type in VISION_MODEL_TYPES
-        else "bert"
-        if config.model_type in BERT_MODEL_TYPES
-        else "gpt"
-    )
+    families = {**dict.fromkeys(VISION_MODEL_TYPES, "vision"), **dict.fromkeys(BERT_MODEL_TYPES, "bert"),
+                **dict.fromkeys(T5_MODEL_TYPES, "t5")}  # fmt: skip
+    task = families.get(config.model_type, "gpt")
     binary_head = not args.bert_no_binary_head and config.model_type != "roberta"  # as pretrain_bert.py decides
     model = auto_class(argparse.Namespace(task=task, bert_binary_head=binary_head)).from_pretrained(args.load_hf)
     true_vocab = padded = None  # an image model has no vocabulary

@@ -1,8 +1,9 @@
-"""GPT and BERT training datasets from Megatron indexed data, via megatron-core.
+"""GPT, BERT and T5 training datasets from Megatron indexed data, via megatron-core.
 
 megatron-core's ``BlendedMegatronDatasetBuilder`` builds the splits and blends, ``GPTDataset``
 the document/sample/shuffle indices (cached, deterministic by seed) and
-``BERTMaskedWordPieceDataset`` the 15% 80/10/10 masking and sentence-order pairs. What this
+``BERTMaskedWordPieceDataset`` the 15% 80/10/10 masking and sentence-order pairs,
+``T5MaskedWordPieceDataset`` the span corruption. What this
 module adds is checking the inputs first, so a bad prefix, a corrupt ``.idx`` or a split with no
 documents is one clear error rather than an assertion (or, for an empty split, an endless loop
 inside megatron-core) after the model is built.
@@ -124,21 +125,26 @@ def build_gpt_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
     return BlendedMegatronDatasetBuilder(cls, sizes.as_list(), lambda: True, config).build()
 
 
+def _check_word_piece(args: Any, tokenizer: Any, what: str) -> None:
+    """What megatron-core's masked datasets (BERT, T5) need of the data and the tokenizer."""
+    if args.mock_data:
+        raise DataError(f"--mock-data is only available for GPT; give pretrain_{args.task}.py a --data-path")
+    for name in ("cls", "sep", "mask", "pad"):
+        if getattr(tokenizer, name, None) is None:
+            raise DataError(f"{what} needs a tokenizer with a [{name.upper()}] token; use BertWordPiece*")
+    if tokenizer.pad != 0:
+        # megatron-core's masked datasets write the pad id into the padding mask: only id 0 masks padding.
+        raise DataError(
+            f"{what} data needs the [PAD] token at id 0 (Megatron's convention); this vocabulary has {tokenizer.pad}"
+        )
+
+
 def build_bert_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
     """train/valid/test ``BERTMaskedWordPieceDataset`` (MLM 15%: 80/10/10; sentence-order pairs)."""
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
-    if args.mock_data:
-        raise DataError("--mock-data is only available for GPT; give pretrain_bert.py a --data-path")
-    for name in ("cls", "sep", "mask", "pad"):
-        if getattr(tokenizer, name, None) is None:
-            raise DataError(f"BERT needs a tokenizer with a [{name.upper()}] token; use BertWordPiece*")
-    if tokenizer.pad != 0:
-        # megatron-core's BERT dataset writes the pad id into the padding mask: only id 0 masks padding.
-        raise DataError(
-            f"BERT data needs the [PAD] token at id 0 (Megatron's convention); this vocabulary has {tokenizer.pad}"
-        )
+    _check_word_piece(args, tokenizer, "BERT")
     prefixes, weights = parse_data_path(args.data_path)
     split = check_splits(prefixes, args.split, sizes, *_vocabulary(args, tokenizer))
     config = BERTMaskedWordPieceDatasetConfig(
@@ -153,3 +159,29 @@ def build_bert_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
         classification_head=args.bert_binary_head,
     )
     return BlendedMegatronDatasetBuilder(BERTMaskedWordPieceDataset, sizes.as_list(), lambda: True, config).build()
+
+
+def build_t5_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
+    """train/valid/test ``T5MaskedWordPieceDataset``: Megatron's span corruption (15% of the tokens
+    in spans of 1 to 10, geometrically distributed), each span a sentinel in the encoder's input
+    and the sentinel then the span in the decoder's."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig
+
+    _check_word_piece(args, tokenizer, "T5")
+    if not getattr(tokenizer, "extra_tokens", None):
+        raise DataError("T5 needs sentinel tokens: give --vocab-extra-ids (Megatron's T5 runs use 100)")
+    prefixes, weights = parse_data_path(args.data_path)
+    split = check_splits(prefixes, args.split, sizes, *_vocabulary(args, tokenizer))
+    config = T5MaskedWordPieceDatasetConfig(
+        **_common_config(args, tokenizer, prefixes, weights, split),
+        sequence_length_decoder=args.decoder_seq_length,
+        masking_probability=args.mask_prob,
+        short_sequence_probability=args.short_seq_prob,
+        masking_max_ngram=10,
+        masking_do_full_word=True,
+        masking_do_permutation=False,
+        masking_use_longer_ngrams=False,
+        masking_use_geometric_distribution=True,
+    )
+    return BlendedMegatronDatasetBuilder(T5MaskedWordPieceDataset, sizes.as_list(), lambda: True, config).build()

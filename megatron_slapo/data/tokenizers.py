@@ -5,6 +5,9 @@
 vocab.txt), ``HuggingFaceTokenizer`` (``--tokenizer-model DIR``) and ``NullTokenizer``
 (``--vocab-size``). The objects expose what megatron-core's datasets read (``tokenize``,
 ``vocab_size``, ``eod``, ``cls``/``sep``/``mask``/``pad``, ``inv_vocab``, ``unique_identifiers``).
+``--vocab-extra-ids N`` (T5) adds, as Megatron's WordPiece tokenizer does, ``[BOS]`` and ``[EOS]``
+and N sentinels ``<extra_id_0>`` ... at the end of the vocabulary (``bos``, ``eos``,
+``additional_special_tokens_ids``).
 
 Why not ``megatron.core.tokenizers``: in megatron-core 0.16 its GPT-2 and WordPiece tokenizers
 instantiate ``AutoTokenizer.from_pretrained("gpt2" | "bert-large-uncased")`` and so need the HF
@@ -35,6 +38,7 @@ class Tokenizer:
 
     def __init__(self, hf: Any, kind: str, source: str) -> None:
         self.hf, self.kind, self.source = hf, kind, source
+        self.extra_tokens: list[str] = []
         self.vocab = hf.get_vocab()
         # Ordered by id: HF's get_vocab() order varies between processes, and megatron-core's BERT
         # dataset draws random replacement tokens by position in this dict.
@@ -69,10 +73,29 @@ class Tokenizer:
         except AttributeError:
             return self._special("sep")
 
+    bos = property(lambda self: self._special("bos"))
+    eos = property(lambda self: self._special("eos"))
     cls = property(lambda self: self._special("cls"))
     sep = property(lambda self: self._special("sep"))
     mask = property(lambda self: self._special("mask"))
     pad = property(lambda self: self._special("pad"))
+
+    @property
+    def additional_special_tokens_ids(self) -> list[int]:
+        """T5's sentinels (``--vocab-extra-ids``), in order."""
+        return [self.vocab[token] for token in self.extra_tokens]
+
+    def add_extra_ids(self, count: int) -> None:
+        """Megatron's ``--vocab-extra-ids``: [BOS], [EOS] (where missing) and ``count`` sentinels."""
+        self.extra_tokens = [f"<extra_id_{i}>" for i in range(count)]
+        special = {"additional_special_tokens": self.extra_tokens}
+        for name, token in (("bos_token", "[BOS]"), ("eos_token", "[EOS]")):
+            if getattr(self.hf, f"{name}_id", None) is None:
+                special[name] = token
+        self.hf.add_special_tokens(special)
+        self.vocab = self.hf.get_vocab()
+        self.inv_vocab = {i: t for t, i in sorted(self.vocab.items(), key=lambda item: item[1])}
+        self.source = f"{self.source}+{count} extra ids"  # what the dataset cache keys on
 
 
 class NullTokenizer:
@@ -128,8 +151,25 @@ def build_tokenizer(
     merge_file: str | None = None,
     tokenizer_model: str | None = None,
     vocab_size: int | None = None,
+    vocab_extra_ids: int = 0,
 ) -> Tokenizer | NullTokenizer:
-    """The tokenizer Megatron's ``--tokenizer-type`` names, built from local files."""
+    """The tokenizer Megatron's ``--tokenizer-type`` names, built from local files (with
+    ``vocab_extra_ids`` T5's special tokens added)."""
+    tokenizer = _build(tokenizer_type, vocab_file, merge_file, tokenizer_model, vocab_size)
+    if vocab_extra_ids:
+        if not isinstance(tokenizer, Tokenizer):
+            raise ConfigError(f"--vocab-extra-ids needs a vocabulary to extend, not --tokenizer-type {tokenizer_type}")
+        tokenizer.add_extra_ids(vocab_extra_ids)
+    return tokenizer
+
+
+def _build(
+    tokenizer_type: str,
+    vocab_file: str | None,
+    merge_file: str | None,
+    tokenizer_model: str | None,
+    vocab_size: int | None,
+) -> Tokenizer | NullTokenizer:
     import transformers
 
     if tokenizer_type == "GPT2BPETokenizer":

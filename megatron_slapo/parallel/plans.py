@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 
 from megatron_slapo.errors import SchedulingError
 from megatron_slapo.kernels.shared_input import fuse_projections
+from megatron_slapo.parallel.collectives import reduce_backward
 from megatron_slapo.parallel.vocab import VocabParallelLMLoss
 from megatron_slapo.primitives.placement import linear_axes
 
@@ -96,23 +97,55 @@ class ParallelRegionInput:
     of once per layer; the layers take ``ColumnParallel(reduce_input_grad=False)``. Under sequence
     parallelism the input is split along the sequence: it is all-gathered here instead, and its
     gradient reduce-scattered. ``fuse`` names those layers (``"{q,k,v}_proj"``) to multiply the
-    input by all their weights in one GEMM, as Megatron's fused ``linear_qkv`` does.
+    input by all their weights in one GEMM, as Megatron's fused ``linear_qkv`` does. ``input`` names
+    another input than the first, by keyword: a cross-attention's ``key_value_states``, which only
+    its k and v read (Megatron's fused key-value projection).
     """
 
     sequence_parallel: bool = False
     sequence_dim: int = 1  # as in ColumnParallel
     fuse: str = ""  # children that read the input, as one GEMM ("{q,k,v}_proj": see kernels/shared_input.py)
+    input: str = ""  # the keyword of the input, when it is not the first
 
     def apply(self, sch: Schedule) -> None:
         if linear_axes(sch.mod) is not None:
             raise sch._error("ParallelRegionInput is for a module that encloses column-parallel layers, "
                              "not a layer: use ColumnParallel()")  # fmt: skip
-        if self.sequence_parallel:
+        if self.input:
+            if self.sequence_parallel:
+                raise sch._error(f"ParallelRegionInput(input={self.input!r}) has no sequence-parallel form yet")
+            sch.mod.register_forward_pre_hook(KeywordGradReduce(self.input, sch.group), with_kwargs=True)
+        elif self.sequence_parallel:
             sch.sync("fwd_pre", "all_gather", axis=self.sequence_dim, backward="reduce_scatter")
         else:
             sch.sync("bwd_post", "all_reduce")
         if self.fuse:
             fuse_projections(sch, alternatives(self.fuse))
+
+
+class KeywordGradReduce:
+    """Forward pre-hook: all-reduce the gradient of the keyword input ``name`` (Megatron's f)."""
+
+    def __init__(self, name: str, group) -> None:
+        self.name, self.group = name, group
+
+    def __deepcopy__(self, memo: dict) -> KeywordGradReduce:
+        return self  # holds a process group handle, shared rather than copied
+
+    def __call__(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        value = kwargs.get(self.name)
+        if value is None:
+            raise RuntimeError(f"{type(module).__name__} was called without {self.name}=, whose gradient it reduces")
+        return args, {**kwargs, self.name: reduce_backward(value, self.group)}
+
+
+@dataclass(frozen=True)
+class ColumnParallelEmbedding:
+    """Split an embedding's columns: T5's relative position bias, one column per head, keeps this
+    rank's heads. The input is ids (no gradient) and the output stays split: nothing to reduce."""
+
+    def apply(self, sch: Schedule) -> None:
+        sch.shard("weight", axis=1)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ one :class:`~megatron_slapo.errors.ConfigError`.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -20,6 +21,7 @@ from megatron_slapo.training.trainer_args import check_trainer_args, resolve_tra
 
 GPT_MODEL_TYPES = ("gpt2", "gpt_neo", "opt", "llama")
 BERT_MODEL_TYPES = ("bert", "roberta", "albert")
+T5_MODEL_TYPES = ("t5",)
 VISION_MODEL_TYPES = ("wideresnet",)
 
 # Megatron's MoE flags: they shape the experts of an MoE --model-type built from the size flags
@@ -32,6 +34,8 @@ EMBEDDED_DEFAULTS = dict(
     global_batch_size=16, train_iters=200, lr=1e-3, min_lr=1e-4, lr_warmup_fraction=0.1,
     lr_decay_style="cosine", eval_interval=50, eval_iters=4, log_interval=10, num_workers=0,
 )  # fmt: skip
+# pretrain_t5.py's embedded run: a decoder long enough for the spans of 15% of 128 tokens
+T5_EMBEDDED_DEFAULTS = {**EMBEDDED_DEFAULTS, "decoder_seq_length": 64}
 # pretrain_vision.py's defaults (it always trains on the generated image set): a WideResNet that
 # reaches high accuracy in a few minutes on 2 CPU cores.
 VISION_DEFAULTS = dict(
@@ -89,7 +93,11 @@ def _model(p: argparse.ArgumentParser, model_types: Sequence[str]) -> None:
         "the family scales it)",
     )
     g.add_argument("--moe-router-topk", type=int, help="experts per token (default: the family's)")
-    g.add_argument("--seq-length", type=int)
+    if model_types == T5_MODEL_TYPES:  # Megatron's T5 flag names the encoder's length
+        g.add_argument("--seq-length", "--encoder-seq-length", type=int, help="the encoder's sequence length")
+        g.add_argument("--decoder-seq-length", type=int, help="the decoder's (sentinels and masked spans)")
+    else:
+        g.add_argument("--seq-length", type=int)
     g.add_argument("--max-position-embeddings", type=int, help="default: --seq-length")
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"), default="auto",
@@ -207,7 +215,7 @@ def _training(p: argparse.ArgumentParser) -> None:
                    help="stop the run after this many iterations in a row with a NaN/inf loss or grad")  # fmt: skip
 
 
-def _data(p: argparse.ArgumentParser, bert: bool) -> None:
+def _data(p: argparse.ArgumentParser, task: str) -> None:
     from megatron_slapo.data.tokenizers import TOKENIZER_TYPES
 
     g = p.add_argument_group("data")
@@ -221,11 +229,14 @@ def _data(p: argparse.ArgumentParser, bert: bool) -> None:
     g.add_argument("--merge-file")
     g.add_argument("--tokenizer-model")
     g.add_argument("--vocab-size", type=int)
-    if bert:
+    if task in ("bert", "t5"):
         g.add_argument("--mask-prob", type=float, default=0.15)
         g.add_argument("--short-seq-prob", type=float, default=0.1)
+    if task == "bert":
         g.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_false")
-    else:
+    elif task == "t5":
+        g.add_argument("--vocab-extra-ids", type=int, default=100, help="sentinel tokens added to the vocabulary")
+    else:  # gpt
         g.add_argument("--reset-position-ids", action="store_true", help="positions restart after each end-of-document")
         g.add_argument("--reset-attention-mask", action="store_true", help="tokens attend only within their document")
         g.add_argument("--eod-mask-loss", action="store_true", help="no loss on end-of-document tokens")
@@ -273,23 +284,24 @@ def build_parser(task: str) -> argparse.ArgumentParser:
         )  # fmt: skip
         _vision_model(p)
     else:
-        bert = task == "bert"
+        kind = {"bert": "masked LM", "t5": "encoder-decoder (T5, span corruption)", "gpt": "causal LM"}[task]
         p = argparse.ArgumentParser(
             prog=f"pretrain_{task}.py",
             allow_abbrev=False,
-            description=f"Pretrain a HuggingFace {'masked' if bert else 'causal'} LM with a megatron_slapo schedule.",
+            description=f"Pretrain a HuggingFace {kind} with a megatron_slapo schedule.",
             epilog="With neither --data-path nor --mock-data the run trains on the embedded corpus, and these "
-            "defaults replace the ones above for every flag not given: " + _listed_defaults(EMBEDDED_DEFAULTS)
+            "defaults replace the ones above for every flag not given: "
+            + _listed_defaults(T5_EMBEDDED_DEFAULTS if task == "t5" else EMBEDDED_DEFAULTS)
             + " (--min-lr is a tenth of a given --lr; --load-hf/--hf-config keep the model's own shape and "
             "positions).",
         )  # fmt: skip
-        _model(p, BERT_MODEL_TYPES if bert else GPT_MODEL_TYPES)
+        _model(p, {"bert": BERT_MODEL_TYPES, "t5": T5_MODEL_TYPES, "gpt": GPT_MODEL_TYPES}[task])
     _parallel(p)
     _training(p)
     if task == "vision":
         p.add_argument_group("data").add_argument("--num-workers", type=int, default=2)
     else:
-        _data(p, task == "bert")
+        _data(p, task)
     _checkpointing(p)
     _logging(p)
     return p
@@ -303,7 +315,8 @@ def parse_args(task: str, argv: Sequence[str] | None = None) -> argparse.Namespa
     args.task = task
     args.embedded_data = task != "vision" and not args.data_path and not args.mock_data
     args.embedded_defaults = {}  # what the embedded run chose for the user, to list and to name in errors
-    defaults = VISION_DEFAULTS if task == "vision" else EMBEDDED_DEFAULTS if args.embedded_data else {}
+    embedded = T5_EMBEDDED_DEFAULTS if task == "t5" else EMBEDDED_DEFAULTS
+    defaults = VISION_DEFAULTS if task == "vision" else embedded if args.embedded_data else {}
     if defaults:
         given = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
         flags = {a.dest: set(a.option_strings) for a in parser._actions}
@@ -358,7 +371,9 @@ def encoder_types() -> set[str]:
 
 
 def _validate_language(args: argparse.Namespace) -> None:
-    """The data and sequence flags of pretrain_gpt.py and pretrain_bert.py."""
+    """The data and sequence flags of pretrain_gpt.py, pretrain_bert.py and pretrain_t5.py."""
+    if args.task == "t5":
+        _validate_t5(args)
     if args.data_path and args.mock_data:
         raise ConfigError("give --data-path or --mock-data, not both")
     if args.embedded_data and (args.tokenizer_type or args.vocab_file or args.merge_file):
@@ -367,12 +382,30 @@ def _validate_language(args: argparse.Namespace) -> None:
         raise ConfigError("--tokenizer-type is required with --data-path / --mock-data")
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
-    if args.seq_length is None and not args.hf_config and not args.load_hf:
-        raise ConfigError("--seq-length is required")
+    if args.seq_length is None and (args.task == "t5" or not (args.hf_config or args.load_hf)):
+        raise ConfigError("--seq-length is required")  # a T5 config has no positions to take it from
     if args.seq_length and args.max_position_embeddings and args.seq_length > args.max_position_embeddings:
         raise ConfigError(
             f"{flag(args, 'seq_length')} exceeds --max-position-embeddings {args.max_position_embeddings}"
         )
+
+
+def _validate_t5(args: argparse.Namespace) -> None:
+    """pretrain_t5.py: the decoder must hold every masked span, and what it does not do (yet)."""
+    if args.decoder_seq_length is None:
+        raise ConfigError("--decoder-seq-length is required")
+    if args.seq_length:
+        # [BOS], then per span a sentinel and its tokens: at most 1 + 2 x the masked tokens
+        needed = 1 + 2 * math.ceil(args.mask_prob * args.seq_length)
+        if args.decoder_seq_length < needed:
+            raise ConfigError(f"{flag(args, 'decoder_seq_length')} cannot hold the masked spans of "
+                              f"{flag(args, 'seq_length')} at --mask-prob {args.mask_prob:g}: it needs {needed}")  # fmt: skip
+    for what, given in (("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
+                        ("--sequence-parallel", args.sequence_parallel)):  # fmt: skip
+        if given:
+            raise ConfigError(f"{what}: not supported for T5 yet")
+    if args.vocab_extra_ids < 1:
+        raise ConfigError("--vocab-extra-ids must be >= 1: T5 marks each masked span with a sentinel")
 
 
 def _validate_vision(args: argparse.Namespace) -> None:

@@ -30,10 +30,15 @@ def _training_flops(auto_class: type, config: transformers.PretrainedConfig, **i
     return 3 * counter.get_total_flops()
 
 
-def flops_per_token(auto_class: type, config: transformers.PretrainedConfig, seq_length: int) -> float:
-    """Training FLOPs per token of a language model, over one sequence of ``seq_length``."""
-    ids = torch.zeros(1, seq_length, dtype=torch.long, device="meta")
-    return _training_flops(auto_class, config, input_ids=ids) / seq_length
+def flops_per_token(
+    auto_class: type, config: transformers.PretrainedConfig, seq_length: int, decoder_length: int | None = None
+) -> float:
+    """Training FLOPs per token of a language model, over one sequence of ``seq_length`` (an
+    encoder-decoder's: per encoder token, its decoder running ``decoder_length`` tokens)."""
+    inputs = {"input_ids": torch.zeros(1, seq_length, dtype=torch.long, device="meta")}
+    if decoder_length:
+        inputs["decoder_input_ids"] = torch.zeros(1, decoder_length, dtype=torch.long, device="meta")
+    return _training_flops(auto_class, config, **inputs) / seq_length
 
 
 def flops_per_image(auto_class: type, config: transformers.PretrainedConfig, height: int, width: int) -> float:

@@ -50,7 +50,7 @@ from megatron_slapo.training.model import (
     vocab_parameter_names,
 )
 from megatron_slapo.training.reporting import Reporter, log_engine_memory
-from megatron_slapo.training.tasks import BERTTask, GPTTask, VisionTask
+from megatron_slapo.training.tasks import BERTTask, GPTTask, T5Task, VisionTask
 from megatron_slapo.training.trainer_args import print_arguments
 from schedules import check_fits, default_for, describe, get_schedule
 
@@ -64,7 +64,7 @@ class Run:
     """Everything :func:`train` needs, assembled by :func:`setup`."""
 
     args: argparse.Namespace
-    task: GPTTask | BERTTask | VisionTask
+    task: GPTTask | BERTTask | T5Task | VisionTask
     engine: Engine
     layout: Layout
     resume: Resume
@@ -80,11 +80,12 @@ def print_rank_0(*values: Any) -> None:
 
 
 def _use_embedded_data(args: argparse.Namespace) -> None:
+    corpus = "gpt" if args.task == "gpt" else "bert"  # T5 masks BERT's sentences, tokenized alike
     cache = args.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "megatron_slapo")
     if dist.get_rank() == 0:
-        embedded.prepare(args.task, cache)
+        embedded.prepare(corpus, cache)
     dist.barrier()
-    data = embedded.prepare(args.task, cache)
+    data = embedded.prepare(corpus, cache)
     args.data_path, args.tokenizer_type = [data.prefix], data.tokenizer_type
     args.vocab_file, args.merge_file = data.vocab_file, data.merge_file
     print_rank_0(f"> no --data-path: training on the embedded corpus (Python's help topics) at {data.prefix}")
@@ -140,7 +141,7 @@ def setup(args: argparse.Namespace) -> Run:
         flops = flops_per_image(auto_class(args), config, args.img_h, args.img_w)
     else:
         unit, per_iteration = "tokens", args.global_batch_size * args.seq_length
-        flops = flops_per_token(auto_class(args), config, args.seq_length)
+        flops = flops_per_token(auto_class(args), config, args.seq_length, getattr(args, "decoder_seq_length", None))
     metadata_vocab, model_class = vocab_parameter_names(model), type(model).__name__
     sch = ms.create_schedule(model)
     stages = pipeline_stages(args, config.num_hidden_layers)
@@ -159,7 +160,8 @@ def setup(args: argparse.Namespace) -> Run:
     if args.sequence_parallel:
         sequence.split_layers(sch, layers)
     if recomputing:
-        print_rank_0(recompute.apply(sch, args, layers, stages, config.num_hidden_layers))
+        shared = len(layers) < config.num_hidden_layers  # ALBERT: fewer layer modules than depths (T5 has more)
+        print_rank_0(recompute.apply(sch, args, layers, stages, config.num_hidden_layers if shared else None))
     if args.compile:
         for path in layers:
             if not sch[path].metadata.compiled:  # a schedule may compile its layers itself (gpt_fused)
@@ -211,16 +213,15 @@ def setup(args: argparse.Namespace) -> Run:
     return Run(args, task, engine, layout, resume, datasets, reporter, metadata, started)
 
 
-def _language_task(args: argparse.Namespace, tp_group: Any) -> tuple[Any, GPTTask | BERTTask, Any]:
+def _language_task(args: argparse.Namespace, tp_group: Any) -> tuple[Any, GPTTask | BERTTask | T5Task, Any]:
     """The config, task and tokenizer of pretrain_gpt.py / pretrain_bert.py (the embedded corpus
     when no data is given); sets the default schedule and Megatron's model-shape arguments."""
     if args.embedded_data:
         _use_embedded_data(args)
-    tokenizer = build_tokenizer(
-        args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model, args.vocab_size
-    )
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model,
+                                args.vocab_size, getattr(args, "vocab_extra_ids", 0))  # fmt: skip
     config = build_config(args, tokenizer)  # sets the default schedule when the config gave the type
-    if args.seq_length is None:
+    if args.seq_length is None:  # T5 has no positions: it requires --seq-length (validate_args)
         args.seq_length = config.max_position_embeddings
     if args.sequence_parallel and args.seq_length % args.tensor_model_parallel_size:
         raise ConfigError(f"--sequence-parallel splits the sequence: --seq-length {args.seq_length} is not "
@@ -233,8 +234,10 @@ def _language_task(args: argparse.Namespace, tp_group: Any) -> tuple[Any, GPTTas
     )
     if args.task == "gpt":
         eod = getattr(tokenizer, "eod", None)
-        task: GPTTask | BERTTask = GPTTask(args.padded_vocab_size, tp_group, args.reset_position_ids,
-                                           args.reset_attention_mask, eod)  # fmt: skip
+        task: GPTTask | BERTTask | T5Task = GPTTask(args.padded_vocab_size, tp_group, args.reset_position_ids,
+                                                    args.reset_attention_mask, eod)  # fmt: skip
+    elif args.task == "t5":
+        task = T5Task(args.padded_vocab_size, tp_group)
     else:
         task = BERTTask(args.padded_vocab_size, tp_group, args.bert_binary_head)
     return config, task, tokenizer

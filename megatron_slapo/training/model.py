@@ -25,7 +25,7 @@ from schedules import default_for
 # --model-type -> HF config class (the model class follows from the task, see auto_class)
 CONFIGS = {
     "gpt2": "GPT2Config", "gpt_neo": "GPTNeoConfig", "opt": "OPTConfig", "llama": "LlamaConfig",
-    "bert": "BertConfig", "roberta": "RobertaConfig", "albert": "AlbertConfig",
+    "bert": "BertConfig", "roberta": "RobertaConfig", "albert": "AlbertConfig", "t5": "T5Config",
 }  # fmt: skip
 
 
@@ -70,6 +70,10 @@ def _from_flags(args: argparse.Namespace, vocab: int, tokenizer: Any) -> transfo
                    intermediate_size=args.ffn_hidden_size or int(8 * h / 3 / 64 + 1) * 64, num_attention_heads=a,
                    num_key_value_heads=args.num_query_groups or a, attention_dropout=ad, initializer_range=std,
                    bos_token_id=eod, eos_token_id=eod, tie_word_embeddings=False)  # fmt: skip
+    if kind == "t5":  # T5 v1.0's shape (ReLU FFN, tied head), as Megatron's T5; the decoder as deep as the encoder
+        return cls(vocab_size=vocab, d_model=h, d_kv=h // a, d_ff=ffn, num_layers=L, num_decoder_layers=L, num_heads=a,
+                   dropout_rate=hd, feed_forward_proj="relu", tie_word_embeddings=True, pad_token_id=tokenizer.pad,
+                   eos_token_id=tokenizer.eos, decoder_start_token_id=tokenizer.bos)  # fmt: skip
     common = dict(vocab_size=vocab, hidden_size=h, num_hidden_layers=L, num_attention_heads=a, intermediate_size=ffn,
                   max_position_embeddings=s, hidden_dropout_prob=hd, attention_probs_dropout_prob=ad,
                   initializer_range=std, pad_token_id=getattr(tokenizer, "pad", 0))  # fmt: skip
@@ -246,6 +250,9 @@ def check_task_fits(config: transformers.PretrainedConfig, task: str, source: st
         if type(config) not in transformers.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING:
             raise ConfigError(f"{source} holds a {kind} model, which is not an image classifier: pretrain_vision.py "
                               "trains image models such as WideResNet")  # fmt: skip
+    elif task == "t5":
+        if type(config) not in transformers.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING or config.model_type != "t5":
+            raise ConfigError(f"{source} holds a {kind} model: pretrain_t5.py trains T5 (--model-type t5)")
     elif task == "gpt":
         causal = type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and not config.is_encoder_decoder
         # Encoder families that HF can also run as decoders carry `is_decoder` (False unless set).
@@ -265,7 +272,7 @@ def check_divisible(config: transformers.PretrainedConfig, tp: int, shared_kv_he
         "attention heads": getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None),
         "key/value heads": getattr(config, "num_key_value_heads", None),
         "FFN hidden size": getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-        or getattr(config, "ffn_dim", None),
+        or getattr(config, "ffn_dim", None) or getattr(config, "d_ff", None),
         "experts' FFN hidden size": getattr(config, "moe_intermediate_size", None),
         "shared experts' FFN hidden size": getattr(config, "shared_expert_intermediate_size", None),
     }  # fmt: skip
@@ -280,9 +287,11 @@ def check_divisible(config: transformers.PretrainedConfig, tp: int, shared_kv_he
 
 def auto_class(args: argparse.Namespace) -> type:
     """The HF auto class to build: causal LM; BERT pretraining heads, or masked LM without a binary
-    head; image classifier."""
+    head; sequence-to-sequence LM (T5); image classifier."""
     if args.task == "vision":
         return transformers.AutoModelForImageClassification
+    if args.task == "t5":
+        return transformers.AutoModelForSeq2SeqLM
     if args.task == "gpt":
         return transformers.AutoModelForCausalLM
     return transformers.AutoModelForPreTraining if args.bert_binary_head else transformers.AutoModelForMaskedLM
@@ -326,10 +335,13 @@ def create_model(args: argparse.Namespace, config: transformers.PretrainedConfig
 
 
 def transformer_layers(model: nn.Module, num_layers: int) -> list[str]:
-    """Paths of the model's transformer layers: the ModuleList with one entry per layer (or the
-    blocks a model lists itself, as WideResNet's stages)."""
+    """Paths of the model's transformer layers: the ModuleList with one entry per layer (the blocks
+    of both stacks of an encoder-decoder; those a model lists itself, as WideResNet's stages)."""
     if hasattr(model, "layer_paths"):
         return model.layer_paths()
+    if model.config.is_encoder_decoder:  # T5: the encoder's blocks, then the decoder's
+        stacks = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and p.endswith(".block")]
+        return [f"{path}.{i}" for path, blocks in stacks for i in range(len(blocks))]
     for path, module in model.named_modules():
         if isinstance(module, nn.ModuleList) and len(module) == num_layers:
             return [f"{path}.{i}" for i in range(num_layers)]

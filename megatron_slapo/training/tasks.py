@@ -1,4 +1,4 @@
-"""What differs between pretrain_gpt.py, pretrain_bert.py and pretrain_vision.py: datasets, model inputs, losses.
+"""What differs between pretrain_{gpt,bert,t5,vision}.py: datasets, model inputs, losses.
 
 Losses are computed here from the model's logits rather than by HF's ``labels=`` path, so that
 logits left split along the vocabulary by a tensor-parallel schedule go through the
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_slapo.data.datasets import SplitSizes, build_bert_datasets, build_gpt_datasets
+from megatron_slapo.data.datasets import SplitSizes, build_bert_datasets, build_gpt_datasets, build_t5_datasets
 from megatron_slapo.data.images import SPLITS, PatternImages
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.parallel.collectives import Group
@@ -138,6 +138,29 @@ class BERTTask(_ModelLoss):
         sop = F.cross_entropy(order_logits.float(), batch["is_random"].long())
         metrics["sop loss"] = sop.detach()
         return lm + sop, metrics
+
+
+@dataclass
+class T5Task(_ModelLoss):
+    """Span corruption on Megatron's T5MaskedWordPieceDataset: the encoder reads the text with each
+    masked span replaced by a sentinel, the decoder predicts the sentinels and their spans."""
+
+    vocab_size: int
+    tp_group: Group
+
+    @staticmethod
+    def build_datasets(args: argparse.Namespace, tokenizer: Any, sizes: SplitSizes) -> tuple:
+        return build_t5_datasets(args, tokenizer, sizes)
+
+    @staticmethod
+    def inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {"input_ids": batch["text_enc"], "attention_mask": batch["enc_mask"],
+                "decoder_input_ids": batch["text_dec"], "decoder_attention_mask": batch["dec_mask"],
+                "use_cache": False}  # fmt: skip
+
+    def criterion(self, out: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        lm = masked_mean(token_losses(out.logits, batch["labels"], self.vocab_size, self.tp_group), batch["loss_mask"])
+        return lm, {"lm loss": lm.detach()}
 
 
 @dataclass
