@@ -8,8 +8,6 @@ of that input's gradient, as Megatron's fused key-value projection. The FFN's wi
 as one GEMM, when gated) are column-parallel and wo row-parallel. LayerNorms replicate.
 """
 
-from typing import Any
-
 from megatron_slapo.parallel.plans import (
     ColumnParallel,
     ColumnParallelEmbedding,
@@ -19,9 +17,8 @@ from megatron_slapo.parallel.plans import (
     RowParallel,
     VocabParallelEmbedding,
     VocabParallelHead,
-    apply_plan,
 )
-from megatron_slapo.schedule import Schedule
+from megatron_slapo.parallel.sequence import plan_schedule
 
 MODEL_TYPES = ("t5",)  # HF config.model_type values this schedule is written for
 
@@ -39,12 +36,9 @@ PLAN = {
     f"{ATTENTION}.{{q,k,v}}": ColumnParallel(reduce_input_grad=False),
     f"{ATTENTION}.o": RowParallel(),
     f"{LAYER}.0.SelfAttention.relative_attention_bias?": ColumnParallelEmbedding(),  # the first layer's
+    f"{LAYER}.*.DenseReluDense": ParallelRegionInput(fuse="{wi_0,wi_1}?"),  # gated (T5 v1.1): one GEMM
     f"{LAYER}.*.DenseReluDense.{{wi,wi_0,wi_1}}": ColumnParallel(reduce_input_grad=False),
     f"{LAYER}.*.DenseReluDense.wo": RowParallel(),
     "lm_head": VocabParallelHead(causal=False),
 }
-
-
-def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
-    gated = (config or sch.mod.config).is_gated_act  # T5 v1.1's wi_0, wi_1: one GEMM
-    apply_plan(sch, {f"{LAYER}.*.DenseReluDense": ParallelRegionInput(fuse="{wi_0,wi_1}" if gated else ""), **PLAN})
+apply = plan_schedule(PLAN)

@@ -46,3 +46,16 @@ def test_moe_experts_count_once_per_token_and_chosen_expert():
         return flops_per_token(transformers.AutoModelForCausalLM, config, S)
 
     assert abs((count(3) - count(2)) - 3 * 2 * 3 * h * f * L) < 1e-6 * count(3)
+
+
+def test_t5_counts_both_stacks_per_encoder_token():
+    """An encoder-decoder per encoder token: its encoder over ``S`` tokens, its decoder over ``D``
+    (self-attention, cross-attention whose k and v project the ``S`` encoder states, FFN, LM head).
+    The count is exactly these multiply-adds (norms and activations are no matrix products)."""
+    h, f, V, L = 128, 512, 4096, 2
+    config = transformers.T5Config(vocab_size=V, d_model=h, d_kv=16, d_ff=f, num_layers=L, num_heads=8)
+    for D in (S // 4, S // 2):
+        encoder = S * L * (4 * h * h + 2 * h * f + 2 * S * h)  # q k v o, FFN, scores and their weighted sum
+        decoder = D * L * (6 * h * h + 2 * h * f + 2 * D * h + 2 * S * h) + S * L * 2 * h * h + D * h * V
+        expected = 3 * 2 * (encoder + decoder) / S  # forward + backward (twice), 2 FLOPs per multiply-add
+        assert flops_per_token(transformers.AutoModelForSeq2SeqLM, config, S, D) == expected

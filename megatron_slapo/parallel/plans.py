@@ -97,14 +97,17 @@ class ParallelRegionInput:
     of once per layer; the layers take ``ColumnParallel(reduce_input_grad=False)``. Under sequence
     parallelism the input is split along the sequence: it is all-gathered here instead, and its
     gradient reduce-scattered. ``fuse`` names those layers (``"{q,k,v}_proj"``) to multiply the
-    input by all their weights in one GEMM, as Megatron's fused ``linear_qkv`` does. ``input`` names
+    input by all their weights in one GEMM, as Megatron's fused ``linear_qkv`` does; ending in ``?``
+    it fuses them only where the module has them all. ``input`` names
     another input than the first, by keyword: a cross-attention's ``key_value_states``, which only
     its k and v read (Megatron's fused key-value projection).
     """
 
     sequence_parallel: bool = False
     sequence_dim: int = 1  # as in ColumnParallel
-    fuse: str = ""  # children that read the input, as one GEMM ("{q,k,v}_proj": see kernels/shared_input.py)
+    fuse: str = (
+        ""  # children that read the input, as one GEMM ("{q,k,v}_proj": see kernels/shared_input.py); "?": if there
+    )
     input: str = ""  # the keyword of the input, when it is not the first
 
     def apply(self, sch: Schedule) -> None:
@@ -119,8 +122,11 @@ class ParallelRegionInput:
             sch.sync("fwd_pre", "all_gather", axis=self.sequence_dim, backward="reduce_scatter")
         else:
             sch.sync("bwd_post", "all_reduce")
+        names = alternatives(self.fuse.removesuffix("?"))
+        if self.fuse.endswith("?") and not all(hasattr(sch.mod, name) for name in names):
+            return  # a variant without them (T5's plain FFN has one wi where the gated one has wi_0, wi_1)
         if self.fuse:
-            fuse_projections(sch, alternatives(self.fuse))
+            fuse_projections(sch, names)
 
 
 class KeywordGradReduce:

@@ -1,0 +1,58 @@
+"""pretrain_t5.py before any compute: the sentinel tokens (Megatron's --vocab-extra-ids) and the
+refusals of bad input, one line each."""
+
+import pytest
+
+from megatron_slapo.data import embedded
+from megatron_slapo.data.tokenizers import build_tokenizer
+from megatron_slapo.errors import ConfigError
+from megatron_slapo.training.arguments import parse_args, validate_args
+from tests.test_bad_input import no_process_group_left, one_error_line  # noqa: F401  (the fixture)
+
+SIZES = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32"]
+TRAIN = ["--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0"]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The embedded BERT corpus, whose sentences and WordPiece vocabulary T5 trains on."""
+    cache = tmp_path_factory.mktemp("cache")
+    return embedded.prepare("bert", str(cache)), str(cache)
+
+
+def test_extra_ids_append_bos_eos_and_sentinels(data):
+    data, _ = data
+    plain = build_tokenizer(data.tokenizer_type, data.vocab_file)
+    t5 = build_tokenizer(data.tokenizer_type, data.vocab_file, vocab_extra_ids=3)
+    words = plain.vocab_size
+    assert t5.vocab_size == words + 5 and (t5.bos, t5.eos) == (words, words + 1)
+    assert t5.additional_special_tokens_ids == [words + 2, words + 3, words + 4]
+    assert t5.tokenize("see <extra_id_1> here")[1] == words + 3  # a sentinel stays one token
+    assert t5.inv_vocab[words + 4] == "<extra_id_2>" and t5.pad == plain.pad == 0
+    assert t5.unique_identifiers != plain.unique_identifiers  # the dataset cache tells them apart
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--decoder-seq-length", "8"], "--decoder-seq-length 8 cannot hold the masked spans of --seq-length 32 at "
+         "--mask-prob 0.15: it needs 11"),
+        (["--decoder-seq-length", "16", "--vocab-extra-ids", "0"], "--vocab-extra-ids must be >= 1: T5 marks each "
+         "masked span with a sentinel"),
+        (["--decoder-seq-length", "16", "--schedule", "bert_tp"], "--schedule bert_tp is for bert, roberta and albert "
+         "models, not t5; schedules that fit t5: default, t5_tp"),
+        ([], "--decoder-seq-length is required"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line(argv, message, capsys, data):
+    data, cache = data
+    flags = ["--data-path", data.prefix, "--tokenizer-type", data.tokenizer_type, "--vocab-file", data.vocab_file,
+             "--data-cache-path", cache]  # fmt: skip
+    assert one_error_line("t5", [*flags, *SIZES, *TRAIN, *argv], capsys) == message
+
+
+@pytest.mark.parametrize("flag", [["--sequence-parallel"], ["--pipeline-model-parallel-size", "2"]])
+def test_what_t5_does_not_do_yet_is_refused(flag):
+    args = parse_args("t5", [*SIZES, *TRAIN, "--tensor-model-parallel-size", "2", *flag])
+    with pytest.raises(ConfigError, match=f"^{flag[0]}.*: not supported for T5 yet$"):
+        validate_args(args, world_size=4)
