@@ -17,6 +17,7 @@ from torch import nn
 from megatron_slapo.kernels.subgraph import SubgraphModule
 from megatron_slapo.module_surgery import move_hooks
 from megatron_slapo.tracing import CallGuard
+from megatron_slapo.tracing.module_shape import UNUSED
 
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
@@ -229,7 +230,8 @@ def why_never_called(node: Schedule) -> str | None:
     Below a traced level, a module runs only if that level's graph calls it (or calls an untraced
     module that contains it). A layer that was traced through (``decompose()``d, or inlined by
     ``flatten=True``) left only its ops in the graph: hooks on it, and anything built on hooks,
-    would silently never run. Untraced levels are not checked: their Python forward is opaque.
+    would silently never run. Untraced levels are not checked: their Python forward is opaque; nor
+    are children the original forward never used (tracing keeps them, see ``module_shape``).
     """
     current = node
     while current.parent is not None:
@@ -240,6 +242,8 @@ def why_never_called(node: Schedule) -> str | None:
             return None
         relative = current.path[len(owner.path) :].lstrip(".")
         parts = relative.split(".")
+        if parts[0] in getattr(owner.mod, UNUSED, ()):
+            return None  # the original forward never used it either: nothing it did is lost
         sites = module_call_sites(owner.mod)
         if not any(".".join(parts[:i]) in sites for i in range(1, len(parts) + 1)):
             return (

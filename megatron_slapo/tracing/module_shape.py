@@ -19,6 +19,7 @@ def graph_module(module: nn.Module, graph: fx.Graph, constants: dict[str, Any]) 
     """The ``GraphModule`` running ``graph`` in place of ``module``, with ``module``'s shape;
     ``constants`` are tensors fx lifted out of the code (name -> value)."""
     gm = fx.GraphModule(_graph_root(module, graph, constants), graph, f"Traced{type(module).__name__}")
+    _keep_unused_children(gm, module, graph)
     _keep_containers(gm, module)
     _keep_inlined_layers(gm, module)
     _keep_parameters(gm, module)
@@ -37,6 +38,20 @@ def _graph_root(module: nn.Module, graph: fx.Graph, constants: dict[str, Any]) -
             owner, _, name = node.target.rpartition(".")
             root[node.target] = getattr(module.get_submodule(owner) if owner else module, name)
     return root
+
+
+UNUSED = "slapo_unused_children"  # the attribute listing them: graph_edit.why_never_called accepts them
+
+
+def _keep_unused_children(gm: fx.GraphModule, module: nn.Module, graph: fx.Graph) -> None:
+    """A child the forward never uses at all, neither calling it nor reading its tensors (T5's
+    ``shared``, whose table each stack looks up through its own alias), stays a child: its
+    tensors keep their state-dict names and the initialisation unit that gives them their values."""
+    referenced = {str(n.target).split(".")[0] for n in graph.nodes if n.op in ("call_module", "get_attr")}
+    unused = [name for name in module._modules if name not in referenced and name not in gm._modules]
+    for name in unused:
+        gm.add_module(name, module._modules[name])
+    setattr(gm, UNUSED, frozenset(unused))
 
 
 def _keep_containers(gm: fx.GraphModule, module: nn.Module) -> None:

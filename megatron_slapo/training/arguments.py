@@ -400,10 +400,11 @@ def _validate_t5(args: argparse.Namespace) -> None:
         if args.decoder_seq_length < needed:
             raise ConfigError(f"{flag(args, 'decoder_seq_length')} cannot hold the masked spans of "
                               f"{flag(args, 'seq_length')} at --mask-prob {args.mask_prob:g}: it needs {needed}")  # fmt: skip
-    for what, given in (("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
-                        ("--sequence-parallel", args.sequence_parallel)):  # fmt: skip
-        if given:
-            raise ConfigError(f"{what}: not supported for T5 yet")
+    if args.sequence_parallel:
+        raise ConfigError("--sequence-parallel: not supported for T5 yet")
+    if args.pipeline_model_parallel_size > 2 or args.num_layers_per_virtual_pipeline_stage:
+        raise ConfigError("T5 is cut between its encoder and its decoder, where one activation crosses: "
+                          "--pipeline-model-parallel-size 2 at most, without virtual stages")  # fmt: skip
     if args.vocab_extra_ids < 1:
         raise ConfigError("--vocab-extra-ids must be >= 1: T5 marks each masked span with a sentinel")
 

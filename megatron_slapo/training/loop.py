@@ -43,6 +43,7 @@ from megatron_slapo.training.model import (
     build_vision_config,
     check_attention_backend,
     create_model,
+    pipeline_cuts,
     pipeline_stages,
     shared_layers,
     trace_for_pipeline,
@@ -176,8 +177,8 @@ def setup(args: argparse.Namespace) -> Run:
             raise ConfigError(f"{why}: {problems[0]}")
         count = sum(1 for _, node in sch.named_schedules() if node.metadata.compiled)
         print_rank_0(f"> torch.compile ({', '.join(sorted(backends))}): {count} modules, compiled on first use")
-    for k in range(1, stages):
-        sch[layers[k * len(layers) // stages]].cut_pipeline_stage()
+    for path in pipeline_cuts(config, layers, stages):
+        sch[path].cut_pipeline_stage()
     if layout.tp_size == 1 and shards and world > 1:
         ranks = f"{args.data_parallel_size} data-parallel" + (
             f" x {layout.pp_size} pipeline" if layout.pp_size > 1 else ""

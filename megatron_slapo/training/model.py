@@ -384,24 +384,33 @@ def pipeline_stages(args: argparse.Namespace, num_layers: int) -> int:
     return pp
 
 
+def pipeline_cuts(config: transformers.PretrainedConfig, layers: list[str], stages: int) -> list[str]:
+    """Where each stage after the first starts: at layers evenly spaced, or, for an encoder-decoder
+    in two stages, at its decoder stack, so that only the encoder's output crosses the cut."""
+    if config.is_encoder_decoder and stages > 1:
+        return ["decoder"]  # validate_args allows T5 two stages only
+    return [layers[k * len(layers) // stages] for k in range(1, stages)]
+
+
 def trace_for_pipeline(sch: Any, task: Any, args: argparse.Namespace, layers: list[str]) -> None:
     """Trace what lies between the root and the layers, for the micro-batch shape, so it can be cut.
 
-    Only the layers' ancestors (``transformer``, ``bert.encoder`` ...) become graphs; everything
+    Only the layers' ancestors (``transformer``, ``bert.encoder``, T5's two stacks ...) become graphs; everything
     else (layers, embeddings, heads) stays the HF module it was, so the schedule's plans and HF's
     initialisation see them unchanged. The graph is specialised to ``--micro-batch-size`` x
     ``--seq-length``, which every micro-batch has; the task's non-tensor inputs (``use_cache=False``)
-    become constants.
+    become constants. The traced model returns only its logits (what the tasks' losses read): its
+    other outputs (an encoder's last state, hidden states) would have to cross the stage cuts.
     """
-    parts = layers[0].split(".")
-    ancestors = {".".join(parts[:i]) for i in range(len(parts))}
+    ancestors = {layer.rsplit(".", i)[0] for layer in layers for i in range(1, layer.count(".") + 1)} | {""}
     leaves = {type(m) for path, m in sch.mod.named_modules() if path not in ancestors
               and path.rpartition(".")[0] in ancestors}  # fmt: skip
-    shape = (args.micro_batch_size, args.seq_length)
+    decoder_keys = getattr(task, "DECODER_KEYS", ())  # an encoder-decoder's decoder inputs are shorter
 
     class ExampleBatch(dict):
         def __missing__(self, key: str) -> torch.Tensor:
-            return torch.zeros(shape, dtype=torch.long, device="meta")
+            length = args.decoder_seq_length if key in decoder_keys else args.seq_length
+            return torch.zeros(args.micro_batch_size, length, dtype=torch.long, device="meta")
 
     example = task.inputs(ExampleBatch())
     sch.trace(
@@ -409,3 +418,14 @@ def trace_for_pipeline(sch: Any, task: Any, args: argparse.Namespace, layers: li
         concrete_args={k: v for k, v in example.items() if not torch.is_tensor(v)},
         leaf_modules=sorted(leaves, key=lambda t: t.__name__),
     )
+    _return_logits_only(sch.mod)
+
+
+def _return_logits_only(graph_module: Any) -> None:
+    """Keep only the ``*logits`` fields of the HF output the traced root builds; drop what only
+    the other fields used."""
+    built = graph_module.graph.output_node().args[0]
+    if isinstance(built, torch.fx.Node) and built.op == "call_function" and isinstance(built.target, type):
+        built.kwargs = {k: v for k, v in built.kwargs.items() if k.endswith("logits")}
+        graph_module.graph.eliminate_dead_code()
+        graph_module.recompile()

@@ -147,6 +147,7 @@ class T5Task(_ModelLoss):
 
     vocab_size: int
     tp_group: Group
+    DECODER_KEYS = ("text_dec", "dec_mask")  # --decoder-seq-length long; the others --seq-length
 
     @staticmethod
     def build_datasets(args: argparse.Namespace, tokenizer: Any, sizes: SplitSizes) -> tuple:

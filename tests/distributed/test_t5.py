@@ -11,7 +11,7 @@ import transformers
 
 import megatron_slapo as ms
 from schedules import t5_tp
-from tests.distributed.runs import PARITY, assert_parity, reference_losses, train_losses
+from tests.distributed.runs import PARITY, assert_parity, layout_case, reference_losses, train_losses
 from tests.utils import max_diff
 from tools import convert_checkpoint
 
@@ -55,14 +55,22 @@ def reference(shared_tmp, cache):
     return reference_losses(shared_tmp, lambda key: ("t5", [*T5, *SINGLE, "--data-cache-path", cache]))
 
 
-@pytest.mark.parametrize("flags", [[], ["--recompute-granularity", "full"], ["--recompute-granularity", "selective"]],
-                         ids=["tp2", "tp2-recompute-full", "tp2-recompute-selective"])  # fmt: skip
-def test_t5_loss_parity(reference, shared_tmp, cache, flags, request):
-    """10 steps of span corruption at TP2 against one process (fp32, 1e-5): the relative position
-    bias, the cross-attention's fused key-value projection and the tied head included."""
-    tb = os.path.join(shared_tmp, f"tb-parity-t5-{request.node.callspec.id}")
-    losses = train_losses("t5", [*T5, *TP2, *flags, "--data-cache-path", cache], tb)
-    assert_parity(losses, reference("t5"), 1e-5)
+PP2 = ["--pipeline-model-parallel-size", "2"]  # cut between the encoder and the decoder
+
+
+@pytest.mark.parametrize("key, flags", [
+    layout_case("t5", "tp2", (2,), TP2),
+    layout_case("t5", "tp2-recompute-full", (2,), [*TP2, "--recompute-granularity", "full"]),
+    layout_case("t5", "tp2-recompute-selective", (2,), [*TP2, "--recompute-granularity", "selective"]),
+    layout_case("t5", "pp2", (2,), [*SINGLE, *PP2]),
+    layout_case("t5", "tp2-pp2", (4,), [*TP2, *PP2]),
+])  # fmt: skip
+def test_t5_loss_parity(reference, shared_tmp, cache, key, flags, request):
+    """10 steps of span corruption against one process (fp32, 1e-5): the relative position bias,
+    the cross-attention's fused key-value projection, the tied head and the pipeline cut included."""
+    tb = os.path.join(shared_tmp, f"tb-parity-{request.node.callspec.id}")
+    losses = train_losses("t5", [*T5, *flags, "--data-cache-path", cache], tb)
+    assert_parity(losses, reference(key), 1e-5)
 
 
 def test_pretrained_t5_survives_scheduling_and_export(shared_tmp, rank):
