@@ -4,12 +4,17 @@ In each block the 1x1 reduce (and the projection shortcut) split their output ch
 convolution its input channels (its output all-reduced), and the 1x1 expand its output channels
 again; the BatchNorms after split convolutions keep their own channels and statistics, the one
 after the all-reduce is replicated. The block's input gradient is all-reduced once, and its output
-is all-gathered for the next block. Stem and classifier replicate.
+is all-gathered for the next block. Stem and classifier replicate. Under ``--sequence-parallel``
+the replicated region in the middle of each block is split along the batch instead, its BatchNorm
+normalising with the statistics of the whole batch, synchronised across the tensor-parallel group.
 """
 
+from typing import Any
+
 from megatron_slapo.parallel.channels import ChannelParallelNorm, GatherChannels, ShortcutChannels
-from megatron_slapo.parallel.plans import ColumnParallel, ParallelRegionInput, RowParallel
-from megatron_slapo.parallel.sequence import plan_schedule
+from megatron_slapo.parallel.plans import ColumnParallel, ParallelRegionInput, RowParallel, apply_plan
+from megatron_slapo.parallel.sync_batchnorm import BatchStatistics
+from megatron_slapo.schedule import Schedule
 
 MODEL_TYPES = ("wideresnet",)  # HF config.model_type values this schedule is written for
 
@@ -24,4 +29,14 @@ PLAN = {
     f"{BLOCK}.downsample.1": ChannelParallelNorm(),
     f"{BLOCK}.downsample": ShortcutChannels(),  # an identity shortcut keeps this rank's channels
 }
-apply = plan_schedule(PLAN)
+# --sequence-parallel: the region between the 3x3 and the last 1x1 convolution holds this rank's
+# part of the batch (reduce-scatter, all-gather), its BatchNorm the whole batch's statistics
+SPLIT_BATCH = {
+    f"{BLOCK}.conv2": RowParallel(sequence_parallel=True, sequence_dim=0),
+    f"{BLOCK}.bn2": BatchStatistics(),
+    f"{BLOCK}.conv3": ColumnParallel(sequence_parallel=True, sequence_dim=0),
+}
+
+
+def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
+    apply_plan(sch, {**PLAN, **SPLIT_BATCH} if getattr(args, "sequence_parallel", False) else PLAN)

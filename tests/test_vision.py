@@ -8,6 +8,7 @@ from megatron_slapo.data.images import PatternImages
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.models.wideresnet import WideResNetConfig, WideResNetForImageClassification
 from megatron_slapo.training.flops import flops_per_image
+from megatron_slapo.training.arguments import parse_args, validate_args
 from megatron_slapo.training.model import auto_class, check_channels
 from tests.test_bad_input import no_process_group_left, one_error_line  # noqa: F401  (the fixture)
 
@@ -101,3 +102,10 @@ def test_tensor_parallelism_must_split_every_stages_channels():
         ConfigError, match="--tensor-model-parallel-size 4 does not divide stage 1's 6 bottleneck width"
     ):
         check_channels(config, 4)
+
+
+def test_sequence_parallelism_splits_the_batch_evenly():
+    args = parse_args("vision", [*TRAIN, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                 "--micro-batch-size", "3"])  # fmt: skip
+    with pytest.raises(ConfigError, match="splits an image model's batch: --micro-batch-size 3 is not divisible"):
+        validate_args(args, world_size=2)

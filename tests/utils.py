@@ -62,6 +62,23 @@ def tiny_llama_config(**overrides) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(**{**kw, **overrides})
 
 
+def tiny_t5(gated: bool) -> transformers.T5ForConditionalGeneration:
+    """T5 v1.0 (ReLU FFN, tied head) or v1.1 (gated-GeLU FFN, untied head), two layers a stack."""
+    config = transformers.T5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+        feed_forward_proj="gated-gelu" if gated else "relu", tie_word_embeddings=not gated, decoder_start_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def tiny_wideresnet():
+    """Two stages: a projection shortcut in each first block, an identity one in the second."""
+    from megatron_slapo.models.wideresnet import WideResNetConfig, WideResNetForImageClassification
+
+    config = WideResNetConfig(layers=(2, 1), base_channels=8, width_per_group=32, small_images=True, num_labels=6)
+    return WideResNetForImageClassification(config)
+
+
 def expected_shard(full: torch.Tensor, axis: int, rank: int, world: int, stride: int = 1) -> torch.Tensor:
     """Rank ``rank``'s slice of ``full``, written out independently of the library's layout code."""
     blocks = full.chunk(stride, dim=axis)

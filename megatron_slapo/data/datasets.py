@@ -139,25 +139,31 @@ def _check_word_piece(args: Any, tokenizer: Any, what: str) -> None:
         )
 
 
+def _masked_config(args: Any, tokenizer: Any, sizes: SplitSizes, what: str, max_ngram: int, geometric: bool) -> dict:
+    """The fields megatron-core's masked datasets share: the data, its split, and Megatron's
+    masking (--mask-prob of the tokens, whole words, n-grams up to ``max_ngram`` long)."""
+    _check_word_piece(args, tokenizer, what)
+    prefixes, weights = parse_data_path(args.data_path)
+    split = check_splits(prefixes, args.split, sizes, *_vocabulary(args, tokenizer))
+    return dict(
+        **_common_config(args, tokenizer, prefixes, weights, split),
+        masking_probability=args.mask_prob,
+        short_sequence_probability=args.short_seq_prob,
+        masking_max_ngram=max_ngram,
+        masking_do_full_word=True,
+        masking_do_permutation=False,
+        masking_use_longer_ngrams=False,
+        masking_use_geometric_distribution=geometric,
+    )
+
+
 def build_bert_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
     """train/valid/test ``BERTMaskedWordPieceDataset`` (MLM 15%: 80/10/10; sentence-order pairs)."""
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
-    _check_word_piece(args, tokenizer, "BERT")
-    prefixes, weights = parse_data_path(args.data_path)
-    split = check_splits(prefixes, args.split, sizes, *_vocabulary(args, tokenizer))
-    config = BERTMaskedWordPieceDatasetConfig(
-        **_common_config(args, tokenizer, prefixes, weights, split),
-        masking_probability=args.mask_prob,
-        short_sequence_probability=args.short_seq_prob,
-        masking_max_ngram=3,
-        masking_do_full_word=True,
-        masking_do_permutation=False,
-        masking_use_longer_ngrams=False,
-        masking_use_geometric_distribution=False,
-        classification_head=args.bert_binary_head,
-    )
+    config = BERTMaskedWordPieceDatasetConfig(**_masked_config(args, tokenizer, sizes, "BERT", 3, geometric=False),
+                                              classification_head=args.bert_binary_head)  # fmt: skip
     return BlendedMegatronDatasetBuilder(BERTMaskedWordPieceDataset, sizes.as_list(), lambda: True, config).build()
 
 
@@ -168,20 +174,8 @@ def build_t5_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.t5_dataset import T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig
 
-    _check_word_piece(args, tokenizer, "T5")
     if not getattr(tokenizer, "extra_tokens", None):
         raise DataError("T5 needs sentinel tokens: give --vocab-extra-ids (Megatron's T5 runs use 100)")
-    prefixes, weights = parse_data_path(args.data_path)
-    split = check_splits(prefixes, args.split, sizes, *_vocabulary(args, tokenizer))
-    config = T5MaskedWordPieceDatasetConfig(
-        **_common_config(args, tokenizer, prefixes, weights, split),
-        sequence_length_decoder=args.decoder_seq_length,
-        masking_probability=args.mask_prob,
-        short_sequence_probability=args.short_seq_prob,
-        masking_max_ngram=10,
-        masking_do_full_word=True,
-        masking_do_permutation=False,
-        masking_use_longer_ngrams=False,
-        masking_use_geometric_distribution=True,
-    )
+    config = T5MaskedWordPieceDatasetConfig(**_masked_config(args, tokenizer, sizes, "T5", 10, geometric=True),
+                                            sequence_length_decoder=args.decoder_seq_length)  # fmt: skip
     return BlendedMegatronDatasetBuilder(T5MaskedWordPieceDataset, sizes.as_list(), lambda: True, config).build()

@@ -77,8 +77,8 @@ class ColumnParallel:
     def apply(self, sch: Schedule) -> None:
         sch.shard("weight", axis=_axes(sch)[0], stride=self.stride)
         _shard_bias(sch, self.stride)
-        if self.reduce_input_grad and self.sequence_parallel:
-            sch.sync("fwd_pre", "all_gather", axis=self.sequence_dim)  # backward: reduce-scatter the partials
+        if self.reduce_input_grad and self.sequence_parallel:  # backward: reduce-scatter the partials
+            sch.sync("fwd_pre", "all_gather", axis=self.sequence_dim, backward="reduce_scatter")
         elif self.reduce_input_grad:
             sch.sync("bwd_post", "all_reduce")
         if self.gather_output:

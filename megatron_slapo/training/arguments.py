@@ -411,9 +411,11 @@ def _validate_t5(args: argparse.Namespace) -> None:
 
 def _validate_vision(args: argparse.Namespace) -> None:
     """What pretrain_vision.py does not do (yet): one line each, before anything is built."""
+    if args.sequence_parallel and args.micro_batch_size % args.tensor_model_parallel_size:
+        raise ConfigError(f"--sequence-parallel splits an image model's batch: {flag(args, 'micro_batch_size')} is not "
+                          f"divisible by --tensor-model-parallel-size {args.tensor_model_parallel_size}")  # fmt: skip
     refused = {
         "--pipeline-model-parallel-size > 1": args.pipeline_model_parallel_size > 1,
-        "--sequence-parallel": args.sequence_parallel,
         # a recomputed block would update its BatchNorms' running statistics a second time
         "recompute (--recompute-granularity, --checkpoint-ratio)": bool(args.recompute_granularity)
         or args.checkpoint_ratio is not None,

@@ -158,7 +158,7 @@ def setup(args: argparse.Namespace) -> Run:
             f"--schedule {args.schedule} shards nothing, but --tensor-model-parallel-size is {layout.tp_size}; "
             "use a tensor-parallel schedule (see --schedule list)"
         )
-    if args.sequence_parallel:
+    if args.sequence_parallel and args.task != "vision":  # an image model's schedule splits the batch itself
         sequence.split_layers(sch, layers)
     if recomputing:
         shared = len(layers) < config.num_hidden_layers  # ALBERT: fewer layer modules than depths (T5 has more)

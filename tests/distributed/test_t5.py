@@ -1,34 +1,22 @@
 """T5 under ``t5_tp``: Verify (outputs and every gradient, both FFN kinds), and
-``pretrain_t5.py`` at TP2, with and without recompute, trains as one process does; pretrained
-weights survive scheduling and export."""
+``pretrain_t5.py`` at TP2 (with and without recompute), PP2 and TP2 x PP2 trains as one process
+does. Export both ways: test_trainer.py's HF round trip."""
 
 import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import transformers
 
 import megatron_slapo as ms
 from schedules import t5_tp
 from tests.distributed.runs import PARITY, assert_parity, layout_case, reference_losses, train_losses
-from tests.utils import max_diff
-from tools import convert_checkpoint
+from tests.utils import tiny_t5
 
 # Megatron pads the vocabulary (4096 words, [BOS], [EOS], 100 sentinels) to a multiple of
 # --make-vocab-size-divisible-by x TP: 128 x 1 and 64 x 2 give both layouts the same 4224 rows.
 T5 = [*PARITY, "--decoder-seq-length", "16", "--lr", "2e-3"]
 SINGLE = ["--make-vocab-size-divisible-by", "128"]
 TP2 = ["--schedule", "t5_tp", "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]
-
-
-def tiny_t5(gated: bool) -> transformers.T5ForConditionalGeneration:
-    """T5 v1.0 (ReLU FFN, tied head) or v1.1 (gated-GeLU FFN, untied head)."""
-    config = transformers.T5Config(
-        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
-        feed_forward_proj="gated-gelu" if gated else "relu", tie_word_embeddings=not gated, decoder_start_token_id=0,
-    )  # fmt: skip
-    return transformers.T5ForConditionalGeneration(config)
 
 
 @pytest.mark.world_sizes(2, 4)
@@ -71,20 +59,3 @@ def test_t5_loss_parity(reference, shared_tmp, cache, key, flags, request):
     tb = os.path.join(shared_tmp, f"tb-parity-{request.node.callspec.id}")
     losses = train_losses("t5", [*T5, *flags, "--data-cache-path", cache], tb)
     assert_parity(losses, reference(key), 1e-5)
-
-
-def test_pretrained_t5_survives_scheduling_and_export(shared_tmp, rank):
-    """save_pretrained -> TP2 checkpoint (from-hf) -> HF (to-hf): every tensor bit-equal."""
-    original, ck, back = (os.path.join(shared_tmp, f"t5-{n}") for n in ("hf", "ck", "back"))
-    if rank == 0:
-        torch.manual_seed(0)
-        tiny_t5(gated=True).save_pretrained(original)
-    dist.barrier()
-    convert_checkpoint.main(["from-hf", "--load-hf", original, "--save", ck, "--schedule", "t5_tp",
-                             "--tensor-model-parallel-size", "2"])  # fmt: skip
-    if rank == 0:
-        convert_checkpoint.main(["to-hf", "--load", ck, "--save-hf", back])
-    dist.barrier()
-    a = transformers.T5ForConditionalGeneration.from_pretrained(original).state_dict()
-    b = transformers.T5ForConditionalGeneration.from_pretrained(back).state_dict()
-    assert a.keys() == b.keys() and max(max_diff(a[k], b[k]) for k in a) == 0

@@ -19,7 +19,7 @@ from megatron_slapo.training.loop import pretrain
 from schedules import gpt_tp
 from tests.distributed.conftest import use_layout
 from tests.distributed.runs import TINY, TP2, last_rank_value
-from tests.utils import max_diff, tb_scalars, tb_tags, tiny_llama_config
+from tests.utils import max_diff, tb_scalars, tb_tags, tiny_llama_config, tiny_t5, tiny_wideresnet
 from tools import convert_checkpoint, preprocess_data, train_tokenizer
 
 
@@ -207,6 +207,8 @@ HF_MODELS = {  # case -> (schedule, a model to convert)
     "auto-mixtral": ("auto", lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(  # 3-D expert weights
         vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, max_position_embeddings=64))),
+    "t5_tp": ("t5_tp", lambda: tiny_t5(gated=True)),  # untied head, wi_0 | wi_1
+    "wideresnet_tp": ("wideresnet_tp", tiny_wideresnet),  # BatchNorm buffers split too
 }  # fmt: skip
 
 
@@ -223,8 +225,8 @@ def test_hf_to_tp2_checkpoint_and_back(case, shared_tmp, rank):
     if rank == 0:
         convert_checkpoint.main(["to-hf", "--load", ck, "--save-hf", back])
     dist.barrier()
-    a = transformers.AutoModelForCausalLM.from_pretrained(original_dir).state_dict()
-    b = transformers.AutoModelForCausalLM.from_pretrained(back).state_dict()
+    cls = type(make())
+    a, b = cls.from_pretrained(original_dir).state_dict(), cls.from_pretrained(back).state_dict()
     assert a.keys() == b.keys() and max(max_diff(a[k], b[k]) for k in a) < 1e-20
     dist.barrier()
     if rank == 0:

@@ -2,6 +2,7 @@
 unscheduled model (outputs, every gradient, the BatchNorms' running statistics), and
 ``pretrain_vision.py`` trains it at TP2 as one process does, learns, and exports its weights."""
 
+import argparse
 import copy
 import os
 
@@ -10,22 +11,17 @@ import torch
 import torch.distributed as dist
 
 import megatron_slapo as ms
-from megatron_slapo.models.wideresnet import WideResNetConfig, WideResNetForImageClassification
-from megatron_slapo.parallel.collectives import gather_tensor
+from megatron_slapo.models.wideresnet import WideResNetForImageClassification
+from megatron_slapo.parallel.collectives import allreduce_sequence_parallel_grads, gather_tensor
 from megatron_slapo.parallel.layout import unshard
+from megatron_slapo.parallel.sync_batchnorm import GroupBatchNorm2d
 from megatron_slapo.training.loop import pretrain
 from schedules import wideresnet_tp
 from tests.distributed.runs import assert_parity, last_rank_value, single_process_losses, train_losses
-from tests.utils import max_diff, tb_scalars
+from tests.utils import max_diff, tb_scalars, tiny_wideresnet
 from tools import convert_checkpoint
 
 TP2 = ["--schedule", "wideresnet_tp", "--tensor-model-parallel-size", "2"]
-
-
-def tiny_wideresnet() -> WideResNetForImageClassification:
-    """Two stages: a projection shortcut in each first block, an identity one in the second."""
-    config = WideResNetConfig(layers=(2, 1), base_channels=8, width_per_group=32, small_images=True, num_labels=6)
-    return WideResNetForImageClassification(config)
 
 
 def images(seed: int = 0) -> torch.Tensor:
@@ -33,13 +29,16 @@ def images(seed: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.world_sizes(2, 4)
-def test_wideresnet_tp_matches_the_unscheduled_model(group):
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+def test_wideresnet_tp_matches_the_unscheduled_model(group, sequence_parallel):
     with torch.device("meta"):
         model = tiny_wideresnet().train()
     sch = ms.create_schedule(model, group)
     with ms.Verify(sch, [images()], seed=7) as verify:
-        wideresnet_tp.apply(sch, model.config)
+        wideresnet_tp.apply(sch, model.config, argparse.Namespace(sequence_parallel=sequence_parallel))
     assert verify.report.grads and not verify.report.failures
+    synced = [path for path, node in sch.named_schedules() if isinstance(node.mod, GroupBatchNorm2d)]
+    assert synced == (["layer1.0.bn2", "layer1.1.bn2", "layer2.0.bn2"] if sequence_parallel else []), synced
     split = {path for path, node in sch.named_schedules() if node.metadata.shards}
     assert {"layer1.0.conv1", "layer1.0.bn1", "layer1.0.conv2", "layer1.0.conv3", "layer1.0.downsample.0",
             "layer2.0.bn3"} <= split, split  # fmt: skip
@@ -47,15 +46,17 @@ def test_wideresnet_tp_matches_the_unscheduled_model(group):
 
 
 @pytest.mark.world_sizes(2, 4)
-def test_adam_steps_in_float64_equal_the_unscheduled_model(group):
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
+def test_adam_steps_in_float64_equal_the_unscheduled_model(group, sequence_parallel):
     """Five Adam steps in float64, where rounding cannot hide a difference: every loss equal to the
     unscheduled model's within 1e-10, and after them the BatchNorms' running statistics (each rank
-    sees every sample of its channels), gathered, and the evaluation logits that use them."""
+    sees every sample of its channels; under sequence parallelism the batch-split ones are
+    synchronised), gathered, and the evaluation logits that use them."""
     with torch.device("meta"):
         model = tiny_wideresnet().train()
     reference = ms.build(ms.create_schedule(copy.deepcopy(model)), seed=3).double()
     sch = ms.create_schedule(model, group)
-    wideresnet_tp.apply(sch, model.config)
+    wideresnet_tp.apply(sch, model.config, argparse.Namespace(sequence_parallel=sequence_parallel))
     scheduled = ms.build(sch, seed=3)
     # .double() gives buffers new tensors, without the shard tags: read them first
     split = {name: (b.partition_dim, b.partition_stride) for name, b in scheduled.named_buffers()
@@ -71,6 +72,7 @@ def test_adam_steps_in_float64_equal_the_unscheduled_model(group):
             optimizer.zero_grad()
             loss = torch.nn.functional.cross_entropy(m(x).logits, labels)
             loss.backward()
+            allreduce_sequence_parallel_grads(m, group)  # the split batch's BatchNorm weights: partial sums
             optimizer.step()
             losses.append(loss.item())
         assert abs(losses[0] - losses[1]) < 1e-10, (step, losses)
@@ -84,10 +86,26 @@ def test_adam_steps_in_float64_equal_the_unscheduled_model(group):
     torch.testing.assert_close(scheduled(x).logits, reference(x).logits, atol=1e-10, rtol=1e-10)
 
 
-def test_tp2_trains_as_one_process(shared_tmp):
-    """5 steps of the default model at TP2 (two micro-batches each) against one process, and the
-    validation loss after them (on the BatchNorms' running statistics). Four classes, so that the
-    loss falls visibly within the 5 steps.
+# 5 steps of the default model, four classes (the loss falls visibly within them); and the
+# validation loss after them
+ARGV = ["--num-classes", "4", "--lr", "1e-3", "--train-iters", "5", "--log-interval", "1", "--eval-iters", "2",
+        "--eval-interval", "5"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(shared_tmp):
+    """One process's losses and validation loss, computed once."""
+    tb = os.path.join(shared_tmp, "tb-wrn-reference")
+    losses = single_process_losses("vision", ARGV, tb, tag="loss")
+    box = [tb_scalars(tb, "loss validation") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return losses, box[0]
+
+
+@pytest.mark.parametrize("flags", [[], ["--sequence-parallel"]], ids=["tp2", "tp2-sp"])
+def test_tp2_trains_as_one_process(reference, shared_tmp, flags, request):
+    """TP2 (two micro-batches a step), and TP2 with the middle of each block split along the batch,
+    against one process; the validation loss runs on the BatchNorms' running statistics.
 
     The first loss agrees within 1e-6; the later ones within 1e-3, not 1e-5, because this model's
     fp32 trajectory is not defined more tightly than that: one process against the same process
@@ -95,18 +113,14 @@ def test_tp2_trains_as_one_process(shared_tmp):
     after one step and 1e-4 after four (measured), whatever Adam's epsilon, gradient clipping or
     weight decay. Exactness over steps is the float64 test's (1e-10).
     """
-    argv = ["--num-classes", "4", "--lr", "1e-3", "--train-iters", "5", "--log-interval", "1", "--eval-iters", "2",
-            "--eval-interval", "5"]  # fmt: skip
-    tb, reference_tb = os.path.join(shared_tmp, "tb-wrn-tp2"), os.path.join(shared_tmp, "tb-wrn-reference")
-    expected = single_process_losses("vision", argv, reference_tb, tag="loss")
-    losses = train_losses("vision", [*argv, *TP2], tb, tag="loss")
+    tb = os.path.join(shared_tmp, f"tb-wrn-{request.node.callspec.id}")
+    losses = train_losses("vision", [*ARGV, *TP2, *flags], tb, tag="loss")
+    expected, expected_validation = reference
     assert abs(losses[1] - expected[1]) < 1e-6, (losses, expected)
     assert_parity(losses, expected, 1e-3, steps=5)
     validation = last_rank_value(lambda: tb_scalars(tb, "loss validation"))
-    reference = [tb_scalars(reference_tb, "loss validation") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(reference, src=0)
-    assert validation.keys() == reference[0].keys() == {5}
-    assert abs(validation[5] - reference[0][5]) < 1e-3, (validation, reference)
+    assert validation.keys() == expected_validation.keys() == {5}
+    assert abs(validation[5] - expected_validation[5]) < 1e-3, (validation, expected_validation)
 
 
 def test_pretrain_vision_learns(shared_tmp):
@@ -120,9 +134,9 @@ def test_pretrain_vision_learns(shared_tmp):
 
 
 def test_pretrained_weights_survive_scheduling_and_export(shared_tmp, rank):
-    """save_pretrained -> TP2 checkpoint (from-hf) -> HF (to-hf): every tensor bit-equal, running
-    statistics included; and a TP2 run started from the weights (--load-hf) exports them again."""
-    original, ck, back = (os.path.join(shared_tmp, f"wrn-{n}") for n in ("hf", "ck", "back"))
+    """A TP2 run started from pretrained weights (--load-hf) exports them again (to-hf); the
+    conversion both ways alone: test_trainer.py's HF round trip."""
+    original = os.path.join(shared_tmp, "wrn-hf")
     ck_run, back_run = os.path.join(shared_tmp, "wrn-ck-run"), os.path.join(shared_tmp, "wrn-back-run")
     if rank == 0:
         torch.manual_seed(0)
@@ -130,18 +144,13 @@ def test_pretrained_weights_survive_scheduling_and_export(shared_tmp, rank):
         model(images(1))  # running statistics that are not the initial ones
         model.save_pretrained(original)
     dist.barrier()
-    convert_checkpoint.main(["from-hf", "--load-hf", original, "--save", ck, *TP2])
     # one step at lr 1e-30 moves no weight visibly; the running statistics do move, as they should
     pretrain("vision", [*TP2, "--load-hf", original, "--num-classes", "6", "--img-h", "12", "--img-w", "12",
                         "--train-iters", "1", "--lr", "1e-30", "--min-lr", "0", "--eval-iters", "0", "--micro-batch-size",
                         "4", "--save", ck_run])  # fmt: skip
     if rank == 0:
-        convert_checkpoint.main(["to-hf", "--load", ck, "--save-hf", back])
         convert_checkpoint.main(["to-hf", "--load", ck_run, "--save-hf", back_run])
     dist.barrier()
-    a = WideResNetForImageClassification.from_pretrained(original).state_dict()
-    b = WideResNetForImageClassification.from_pretrained(back).state_dict()
-    assert a.keys() == b.keys() and max(max_diff(a[k], b[k]) for k in a) == 0
     trained = WideResNetForImageClassification.from_pretrained(back_run)
     params = dict(WideResNetForImageClassification.from_pretrained(original).named_parameters())
     assert max(max_diff(p, params[k]) for k, p in trained.named_parameters()) < 1e-20
