@@ -7,8 +7,8 @@ import torch
 from megatron_slapo.data.images import PatternImages
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.models.wideresnet import WideResNetConfig, WideResNetForImageClassification
-from megatron_slapo.training.flops import flops_per_image
 from megatron_slapo.training.arguments import parse_args, validate_args
+from megatron_slapo.training.flops import flops_per_image
 from megatron_slapo.training.model import auto_class, check_channels
 from tests.test_bad_input import no_process_group_left, one_error_line  # noqa: F401  (the fixture)
 
