@@ -9,34 +9,23 @@ the replicated region in the middle of each block is split along the batch inste
 normalising with the statistics of the whole batch, synchronised across the tensor-parallel group.
 """
 
-from typing import Any
-
 from megatron_slapo.parallel.channels import ChannelParallelNorm, GatherChannels, ShortcutChannels
-from megatron_slapo.parallel.plans import ColumnParallel, ParallelRegionInput, RowParallel, apply_plan
+from megatron_slapo.parallel.plans import ColumnParallel, ParallelRegionInput, RowParallel
+from megatron_slapo.parallel.sequence import plan_schedule
 from megatron_slapo.parallel.sync_batchnorm import BatchStatistics
-from megatron_slapo.schedule import Schedule
 
 MODEL_TYPES = ("wideresnet",)  # HF config.model_type values this schedule is written for
 
 BLOCK = "{layer1,layer2,layer3,layer4}.*"  # every block of the (up to) four stages
 PLAN = {
-    BLOCK: (ParallelRegionInput(), GatherChannels()),
+    BLOCK: (ParallelRegionInput(sequence_dim=None), GatherChannels()),  # the block's input stays whole
     f"{BLOCK}.conv1": ColumnParallel(reduce_input_grad=False),
-    f"{BLOCK}.conv2": RowParallel(),
-    f"{BLOCK}.conv3": ColumnParallel(),
+    f"{BLOCK}.conv2": RowParallel(sequence_dim=0),  # --sequence-parallel: reduce-scatter along the batch
+    f"{BLOCK}.bn2": BatchStatistics(),  # --sequence-parallel: the whole batch's statistics
+    f"{BLOCK}.conv3": ColumnParallel(sequence_dim=0),  # --sequence-parallel: all-gather the batch
     f"{BLOCK}.{{bn1,bn3}}": ChannelParallelNorm(),
     f"{BLOCK}.downsample.0": ColumnParallel(reduce_input_grad=False),
     f"{BLOCK}.downsample.1": ChannelParallelNorm(),
     f"{BLOCK}.downsample": ShortcutChannels(),  # an identity shortcut keeps this rank's channels
 }
-# --sequence-parallel: the region between the 3x3 and the last 1x1 convolution holds this rank's
-# part of the batch (reduce-scatter, all-gather), its BatchNorm the whole batch's statistics
-SPLIT_BATCH = {
-    f"{BLOCK}.conv2": RowParallel(sequence_parallel=True, sequence_dim=0),
-    f"{BLOCK}.bn2": BatchStatistics(),
-    f"{BLOCK}.conv3": ColumnParallel(sequence_parallel=True, sequence_dim=0),
-}
-
-
-def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
-    apply_plan(sch, {**PLAN, **SPLIT_BATCH} if getattr(args, "sequence_parallel", False) else PLAN)
+apply = plan_schedule(PLAN)

@@ -106,6 +106,6 @@ def test_tensor_parallelism_must_split_every_stages_channels():
 
 def test_sequence_parallelism_splits_the_batch_evenly():
     args = parse_args("vision", [*TRAIN, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                 "--micro-batch-size", "3"])  # fmt: skip
+                                 "--micro-batch-size", "3", "--global-batch-size", "6"])  # fmt: skip
     with pytest.raises(ConfigError, match="splits an image model's batch: --micro-batch-size 3 is not divisible"):
         validate_args(args, world_size=2)

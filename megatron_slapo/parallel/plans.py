@@ -104,10 +104,8 @@ class ParallelRegionInput:
     """
 
     sequence_parallel: bool = False
-    sequence_dim: int = 1  # as in ColumnParallel
-    fuse: str = (
-        ""  # children that read the input, as one GEMM ("{q,k,v}_proj": see kernels/shared_input.py); "?": if there
-    )
+    sequence_dim: int | None = 1  # as in ColumnParallel; None: the input stays whole (a CNN block's)
+    fuse: str = ""  # children that read the input, as one GEMM (see kernels/shared_input.py)
     input: str = ""  # the keyword of the input, when it is not the first
 
     def apply(self, sch: Schedule) -> None:
@@ -118,7 +116,7 @@ class ParallelRegionInput:
             if self.sequence_parallel:
                 raise sch._error(f"ParallelRegionInput(input={self.input!r}) has no sequence-parallel form yet")
             sch.mod.register_forward_pre_hook(KeywordGradReduce(self.input, sch.group), with_kwargs=True)
-        elif self.sequence_parallel:
+        elif self.sequence_parallel and self.sequence_dim is not None:
             sch.sync("fwd_pre", "all_gather", axis=self.sequence_dim, backward="reduce_scatter")
         else:
             sch.sync("bwd_post", "all_reduce")

@@ -86,11 +86,16 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
 
 @dataclass(frozen=True)
 class BatchStatistics:
-    """A BatchNorm in a region split along the batch (``--sequence-parallel``): the statistics of
+    """A BatchNorm in a region split along the batch under sequence parallelism: the statistics of
     the whole batch (:class:`GroupBatchNorm2d`), and its affine parameters' gradients, partial sums
-    over the parts, summed as Megatron sums sequence-parallel parameters' gradients."""
+    over the parts, summed as Megatron sums sequence-parallel parameters' gradients. Without
+    sequence parallelism the placement does nothing."""
+
+    sequence_parallel: bool = False
 
     def apply(self, sch: Schedule) -> None:
+        if not self.sequence_parallel:
+            return
         old = sch.mod
         if not isinstance(old, nn.BatchNorm2d):
             raise sch._error(f"BatchStatistics is for a BatchNorm2d, not {type(old).__name__}")

@@ -339,7 +339,7 @@ def transformer_layers(model: nn.Module, num_layers: int) -> list[str]:
     of both stacks of an encoder-decoder; those a model lists itself, as WideResNet's stages)."""
     if hasattr(model, "layer_paths"):
         return model.layer_paths()
-    if model.config.is_encoder_decoder:  # T5: the encoder's blocks, then the decoder's
+    if getattr(model.config, "is_encoder_decoder", False):  # T5: the encoder's blocks, then the decoder's
         stacks = [(p, m) for p, m in model.named_modules() if isinstance(m, nn.ModuleList) and p.endswith(".block")]
         return [f"{path}.{i}" for path, blocks in stacks for i in range(len(blocks))]
     for path, module in model.named_modules():
@@ -387,7 +387,7 @@ def pipeline_stages(args: argparse.Namespace, num_layers: int) -> int:
 def pipeline_cuts(config: transformers.PretrainedConfig, layers: list[str], stages: int) -> list[str]:
     """Where each stage after the first starts: at layers evenly spaced, or, for an encoder-decoder
     in two stages, at its decoder stack, so that only the encoder's output crosses the cut."""
-    if config.is_encoder_decoder and stages > 1:
+    if getattr(config, "is_encoder_decoder", False) and stages > 1:
         return ["decoder"]  # validate_args allows T5 two stages only
     return [layers[k * len(layers) // stages] for k in range(1, stages)]
 

@@ -28,7 +28,7 @@ from tests.utils import require_compiler
 
 TOLERANCE = 1e-5
 SCHEDULES = {"gpt": ["--schedule", "gpt_tp"], "bert": ["--schedule", "bert_tp"]}
-ALBERT = ["--model-type", "albert", "--schedule", "bert_tp"]
+ENCODERS = {name: ["--model-type", name, "--schedule", "bert_tp"] for name in ("albert", "roberta")}
 TP2 = ["--tensor-model-parallel-size", "2"]
 ZERO = ["--engine", "deepspeed", "--zero-stage"]
 MEGATRON = ["--engine", "megatron"]
@@ -72,8 +72,8 @@ LAYOUTS = {  # name -> (world sizes, extra flags)
 
 @pytest.fixture(scope="module")
 def reference(shared_tmp, cache):
-    """Single-process losses per task (and for ALBERT)."""
-    runs = {**SCHEDULES, "albert": ALBERT}
+    """Single-process losses per task (and for ALBERT and RoBERTa)."""
+    runs = {**SCHEDULES, **ENCODERS}
     return reference_losses(shared_tmp, lambda key: ("gpt" if key == "gpt" else "bert",
                                                      [*MODEL, *runs[key], "--data-cache-path", cache]))  # fmt: skip
 
@@ -91,14 +91,20 @@ def test_loss_parity_with_one_process(task, flags, reference, shared_tmp, cache,
     assert_parity(losses, expected, TOLERANCE)
 
 
-@pytest.mark.parametrize("recompute", [[], FULL, ["--recompute-granularity", "selective"]],
-                         ids=["tp2", "tp2-recompute-full", "tp2-recompute-selective"])  # fmt: skip
-def test_albert_loss_parity(reference, shared_tmp, cache, recompute, request):
-    """ALBERT's one shared layer, sharded once and run (and recomputed) at every depth, and its
-    factorised embedding tied to the decoder: the same losses as one process."""
-    tb = os.path.join(shared_tmp, f"tb-parity-albert-{request.node.callspec.id}")
-    losses = train_losses("bert", [*MODEL, *ALBERT, *TP2, *recompute, "--data-cache-path", cache], tb)
-    assert_parity(losses, reference("albert"), TOLERANCE)
+@pytest.mark.parametrize("encoder, flags", [
+    pytest.param("albert", [], id="albert-tp2"),
+    pytest.param("albert", FULL, id="albert-tp2-recompute-full"),
+    pytest.param("albert", ["--recompute-granularity", "selective"], id="albert-tp2-recompute-selective"),
+    pytest.param("roberta", [], id="roberta-tp2"),
+    pytest.param("roberta", ["--sequence-parallel"], id="roberta-tp2-sp"),
+])  # fmt: skip
+def test_encoder_loss_parity(reference, shared_tmp, cache, encoder, flags, request):
+    """bert_tp on ALBERT (its one shared layer sharded once and run, and recomputed, at every
+    depth; its factorised embedding tied to the decoder) and on RoBERTa (masked LM only, positions
+    offset by the padding id): the same losses as one process."""
+    tb = os.path.join(shared_tmp, f"tb-parity-{request.node.callspec.id}")
+    losses = train_losses("bert", [*MODEL, *ENCODERS[encoder], *TP2, *flags, "--data-cache-path", cache], tb)
+    assert_parity(losses, reference(encoder), TOLERANCE)
 
 
 def test_gpt_fused_loss_parity(reference, shared_tmp, cache):
