@@ -123,7 +123,6 @@ def _vision_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--img-w", type=int, help="image width")
     g.add_argument("--num-channels", type=int, default=3)
     g.add_argument("--num-classes", type=int, default=10)
-    g.add_argument("--init-method-std", type=float, default=0.02, help="(unused: convolutions are He-initialised)")
 
 
 def _parallel(p: argparse.ArgumentParser) -> None:
