@@ -117,3 +117,4 @@ apply = make(PLAN)
     # t5_tp is over: Slapo's 11 lines swap in EPOI's pre-written T5 attention modules, where t5_tp
     # places HF's own (fused k|v, the relative bias by head, both FFN kinds) in 18 (docs/benchmarks.md)
     assert all(r[4].strip() == "yes" for r in rows if r[0].strip() != "t5_tp"), proc.stdout
+    assert [int(r[2]) for r in rows if r[0].strip() == "t5_tp"] == [18], proc.stdout  # no more than documented

@@ -2,12 +2,15 @@
 refusals of bad input, one line each."""
 
 import pytest
+import transformers
 
 from megatron_slapo.data import embedded
 from megatron_slapo.data.tokenizers import build_tokenizer
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.training.arguments import parse_args, validate_args
+from megatron_slapo.training.model import pipeline_cuts
 from tests.test_bad_input import no_process_group_left, one_error_line  # noqa: F401  (the fixture)
+from tools import convert_checkpoint
 
 SIZES = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32"]
 TRAIN = ["--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0"]
@@ -42,6 +45,10 @@ def test_extra_ids_append_bos_eos_and_sentinels(data):
         (["--decoder-seq-length", "16", "--schedule", "bert_tp"], "--schedule bert_tp is for bert, roberta and albert "
          "models, not t5; schedules that fit t5: default, t5_tp"),
         ([], "--decoder-seq-length is required"),
+        (["--decoder-seq-length", "16", "--num-query-groups", "1"], "--num-query-groups: T5's attention has as many "
+         "key/value heads as heads"),
+        (["--decoder-seq-length", "16", "--num-experts", "4"], "--num-experts shapes the experts of an MoE "
+         "--model-type built from the size flags (mixtral, qwen3_moe, ...), not of this model"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line(argv, message, capsys, data):
@@ -49,6 +56,14 @@ def test_bad_input_is_one_line(argv, message, capsys, data):
     flags = ["--data-path", data.prefix, "--tokenizer-type", data.tokenizer_type, "--vocab-file", data.vocab_file,
              "--data-cache-path", cache]  # fmt: skip
     assert one_error_line("t5", [*flags, *SIZES, *TRAIN, *argv], capsys) == message
+
+
+def test_two_stages_need_stacks_of_equal_depth():
+    config = transformers.T5Config(num_layers=2, num_decoder_layers=3)
+    with pytest.raises(ConfigError, match="needs stacks of equal depth, not 2 encoder and 3 decoder layers"):
+        pipeline_cuts(config, [], 2)
+    assert pipeline_cuts(transformers.T5Config(num_layers=2), [], 2) == ["decoder"]
+    assert pipeline_cuts(config, [], 1) == []
 
 
 @pytest.mark.parametrize(
@@ -65,3 +80,14 @@ def test_what_t5_does_not_do_yet_is_refused(flags, message):
     with pytest.raises(ConfigError) as refused:
         validate_args(args, world_size=8)
     assert str(refused.value) == message
+
+
+def test_export_saves_the_tokenizer_with_its_sentinels(data, tmp_path):
+    """to-hf writes the run's tokenizer as it trained: [BOS], [EOS] and the sentinels included."""
+    data, _ = data
+    saved = {"tokenizer_type": data.tokenizer_type, "vocab_file": data.vocab_file, "vocab_extra_ids": 3}
+    assert convert_checkpoint._save_tokenizer(saved, str(tmp_path)) == " and its tokenizer"
+    exported = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    trained = build_tokenizer(data.tokenizer_type, data.vocab_file, vocab_extra_ids=3)
+    assert len(exported) == trained.vocab_size
+    assert exported.convert_tokens_to_ids("<extra_id_2>") == trained.additional_special_tokens_ids[2]

@@ -98,7 +98,8 @@ def _save_tokenizer(saved_args: dict, save_hf: str) -> str:
         from megatron_slapo.data.tokenizers import Tokenizer, build_tokenizer
 
         tok = build_tokenizer(saved_args["tokenizer_type"], saved_args.get("vocab_file"), saved_args.get("merge_file"),
-                              saved_args.get("tokenizer_model"), saved_args.get("vocab_size"))  # fmt: skip
+                              saved_args.get("tokenizer_model"), saved_args.get("vocab_size"),
+                              saved_args.get("vocab_extra_ids") or 0)  # fmt: skip
     except (ValueError, FileNotFoundError, TypeError, KeyError):
         return " (tokenizer files not found: copy them yourself)"
     if not isinstance(tok, Tokenizer):

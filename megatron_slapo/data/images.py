@@ -16,7 +16,7 @@ import math
 import torch
 
 SPLITS = ("train", "valid", "test")
-NOISE = 1.0  # pixel noise std; the grating's amplitude is at most 1
+NOISE = 1.0  # pixel noise std; a grating's amplitude is 0.4 to 1.0 times its class's colour weights (0.25 to 1.75)
 
 
 class PatternImages(torch.utils.data.Dataset):

@@ -39,7 +39,11 @@ class Tokenizer:
     def __init__(self, hf: Any, kind: str, source: str) -> None:
         self.hf, self.kind, self.source = hf, kind, source
         self.extra_tokens: list[str] = []
-        self.vocab = hf.get_vocab()
+        self.additional_special_tokens_ids: list[int] = []  # T5's sentinels (--vocab-extra-ids), in order
+        self._index_vocab()
+
+    def _index_vocab(self) -> None:
+        self.vocab = self.hf.get_vocab()
         # Ordered by id: HF's get_vocab() order varies between processes, and megatron-core's BERT
         # dataset draws random replacement tokens by position in this dict.
         self.inv_vocab = {i: t for t, i in sorted(self.vocab.items(), key=lambda item: item[1])}
@@ -80,11 +84,6 @@ class Tokenizer:
     mask = property(lambda self: self._special("mask"))
     pad = property(lambda self: self._special("pad"))
 
-    @property
-    def additional_special_tokens_ids(self) -> list[int]:
-        """T5's sentinels (``--vocab-extra-ids``), in order."""
-        return [self.vocab[token] for token in self.extra_tokens]
-
     def add_extra_ids(self, count: int) -> None:
         """Megatron's ``--vocab-extra-ids``: [BOS], [EOS] (where missing) and ``count`` sentinels."""
         self.extra_tokens = [f"<extra_id_{i}>" for i in range(count)]
@@ -93,8 +92,8 @@ class Tokenizer:
             if getattr(self.hf, f"{name}_id", None) is None:
                 special[name] = token
         self.hf.add_special_tokens(special)
-        self.vocab = self.hf.get_vocab()
-        self.inv_vocab = {i: t for t, i in sorted(self.vocab.items(), key=lambda item: item[1])}
+        self._index_vocab()
+        self.additional_special_tokens_ids = [self.vocab[token] for token in self.extra_tokens]  # read per sample
         self.source = f"{self.source}+{count} extra ids"  # what the dataset cache keys on
 
 

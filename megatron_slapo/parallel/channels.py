@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from megatron_slapo.parallel.collectives import group_rank, group_size
+from megatron_slapo.parallel.collectives import own_part
 
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
@@ -52,11 +52,7 @@ class _OwnChannels:
         self.group = group
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        world = group_size(self.group)
-        if x.size(CHANNELS) % world:
-            raise ValueError(f"{x.size(CHANNELS)} channels do not split into {world} ranks")
-        width = x.size(CHANNELS) // world
-        return x.narrow(CHANNELS, group_rank(self.group) * width, width)
+        return own_part(x, CHANNELS, self.group)
 
 
 @dataclass(frozen=True)

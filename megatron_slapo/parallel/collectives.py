@@ -196,6 +196,12 @@ def reduce_backward(x: torch.Tensor, group: Group) -> torch.Tensor:
     return _ReduceBackward.apply(x, group)
 
 
+def own_part(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """This rank's part of ``x`` along ``dim``, no collective: autograd gives the other parts a zero
+    gradient, which an enclosing reduction of the input gradient completes."""
+    return _split(x, dim, group)
+
+
 def all_gather(x: torch.Tensor, dim: int, group: Group, backward: GatherBackward = "split") -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``; see the module docstring for ``backward``."""
     if backward not in ("split", "reduce_scatter"):

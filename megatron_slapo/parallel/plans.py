@@ -31,7 +31,7 @@ from megatron_slapo.errors import SchedulingError
 from megatron_slapo.kernels.shared_input import fuse_projections
 from megatron_slapo.parallel.collectives import reduce_backward
 from megatron_slapo.parallel.vocab import VocabParallelLMLoss
-from megatron_slapo.primitives.placement import linear_axes
+from megatron_slapo.primitives.placement import feature_axis, linear_axes
 
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
@@ -43,10 +43,8 @@ class Placement(Protocol):
 
 def _axes(sch: Schedule) -> tuple[int, int]:
     """The (output, input) feature axes of a Linear-like weight or a convolution's (out, in, *kernel)."""
-    if isinstance(sch.mod, _ConvNd):
-        if sch.mod.groups != 1:
-            raise sch._error(f"a grouped convolution (groups={sch.mod.groups}) cannot split its channels as one")
-        return 0, 1
+    if isinstance(sch.mod, _ConvNd) and sch.mod.groups != 1:
+        raise sch._error(f"a grouped convolution (groups={sch.mod.groups}) cannot split its channels as one")
     axes = linear_axes(sch.mod)
     if axes is None:
         raise sch._error(f"expected nn.Linear, HF Conv1D or a convolution, found {type(sch.mod).__name__}")
@@ -77,16 +75,12 @@ class ColumnParallel:
     def apply(self, sch: Schedule) -> None:
         sch.shard("weight", axis=_axes(sch)[0], stride=self.stride)
         _shard_bias(sch, self.stride)
-        if self.reduce_input_grad and self.sequence_parallel:  # backward: reduce-scatter the partials
-            sch.sync("fwd_pre", "all_gather", axis=self.sequence_dim, backward="reduce_scatter")
+        if self.reduce_input_grad and self.sequence_parallel:
+            sch.sync("fwd_pre", "all_gather", axis=self.sequence_dim)  # backward: reduce-scatter the partials
         elif self.reduce_input_grad:
             sch.sync("bwd_post", "all_reduce")
         if self.gather_output:
-            if isinstance(sch.mod, _ConvNd):
-                raise sch._error(
-                    "gather a convolution's channels with GatherChannels() on the module that ends the region"
-                )
-            sch.sync("fwd_post", "all_gather", axis=-1)
+            sch.sync("fwd_post", "all_gather", axis=feature_axis(sch.mod))
 
 
 @dataclass(frozen=True)
@@ -161,11 +155,7 @@ class RowParallel:
     sequence_dim: int = 1  # as in ColumnParallel
 
     def apply(self, sch: Schedule) -> None:
-        axis = _axes(sch)[1]
-        if isinstance(sch.mod, _ConvNd) and sch.mod.bias is not None:
-            raise sch._error("a row-parallel convolution must add its bias after the reduction: give it bias=False "
-                             "and add the bias in the module that follows")  # fmt: skip
-        sch.shard("weight", axis=axis)
+        sch.shard("weight", axis=_axes(sch)[1])
         if self.sequence_parallel:
             sch.sync("fwd_post", "reduce_scatter", axis=self.sequence_dim)
         else:

@@ -3,8 +3,8 @@
 Under ``--sequence-parallel`` an image model's replicated regions hold this rank's part of the
 batch, as a transformer's hold its part of the sequence. A BatchNorm there must still normalise
 with the whole batch's mean and variance, or the model would differ from the single-device one:
-each rank sums its part, the sums are all-reduced over the tensor-parallel group, and the
-backward all-reduces their gradients (every rank's loss depends on every part through them).
+each rank sums its part (values and squares, in one all-reduce over the tensor-parallel group),
+and the backward all-reduces their gradients (every rank's loss depends on every part through them).
 
 torch's ``nn.SyncBatchNorm`` does this on GPUs only (its statistics kernels are CUDA's, and it
 refuses CPU tensors), so the statistics are computed here with plain ops, on any device.
@@ -16,30 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from megatron_slapo.parallel.collectives import Group, group_size
+from megatron_slapo.parallel.collectives import Group, group_size, reduce_backward, reduce_forward
 
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
-
-
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) forward and backward: a sum every rank uses, of parts every rank holds one of."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class _Shared:
@@ -53,8 +35,9 @@ class _Shared:
 
 
 class GroupBatchNorm2d(nn.BatchNorm2d):
-    """``nn.BatchNorm2d`` whose training statistics are those of the batch split over ``group``
-    (equal parts); in evaluation it uses its running statistics, the same on every rank."""
+    """``nn.BatchNorm2d`` whose batch statistics are those of the batch split over ``group`` (equal
+    parts); in evaluation it uses its running statistics, the same on every rank (batch
+    statistics again without ``track_running_stats``, as ``nn.BatchNorm2d``)."""
 
     def __init__(self, num_features: int, group: Group, **kwargs) -> None:
         super().__init__(num_features, **kwargs)
@@ -62,14 +45,20 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self.shared.group
-        if not self.training or group_size(group) == 1:
+        if not (self.training or self.running_mean is None) or group_size(group) == 1:
             return super().forward(x)
         dims, shape = (0, 2, 3), (1, -1, 1, 1)
-        count = x.numel() // x.size(1) * group_size(group)
-        mean = _SumOverGroup.apply(x.sum(dims), group) / count
+        local = x.numel() // x.size(1)
+        count = local * group_size(group)
+        # one all-reduce of every part's sum and sum of squares (from its own mean: less cancellation);
+        # every rank's loss depends on every part through them, so the backward all-reduces too
+        local_mean = x.mean(dims)
+        moments = torch.cat([local * local_mean, (x - local_mean.view(shape)).square().sum(dims)
+                             + local * local_mean.square()])  # fmt: skip
+        sums, squares = (reduce_forward(reduce_backward(moments, group), group) / count).chunk(2)
+        mean, var = sums, squares - sums.square()
         centred = x - mean.view(shape)
-        var = _SumOverGroup.apply(centred.square().sum(dims), group) / count
-        if self.track_running_stats:
+        if self.training and self.track_running_stats:
             self._update_running(mean.detach(), var.detach() * count / max(count - 1, 1))
         scale = torch.rsqrt(var + self.eps).view(shape)
         out = centred * scale

@@ -11,6 +11,7 @@ layer            weight layout        sharded axis    role               output 
 nn.Linear        (out, in)            0 / 1           column / row       partitioned / partial
 HF Conv1D        (in, out)            1 / 0           column / row       (Conv1D stores W^T)
 nn.Embedding     (vocab, hidden)      0 / 1           vocab / emb-column partial / partitioned
+nn.Conv1d/2d/3d  (out, in, *kernel)   0 / 1           column / row       partitioned / partial (dim 1)
 ===============  ===================  ==============  =================  ==========================
 
 Subclasses count as their base class, but a subclass that overrides ``forward`` computes something
@@ -23,6 +24,7 @@ from __future__ import annotations
 import enum
 
 from torch import nn
+from torch.nn.modules.conv import _ConvNd
 from transformers.pytorch_utils import Conv1D
 
 from megatron_slapo.kernels.linear import DecomposedConv1D, DecomposedLinear
@@ -40,19 +42,26 @@ class Role(enum.Enum):
 
 
 def linear_axes(module: nn.Module) -> tuple[int, int] | None:
-    """``(output_axis, input_axis)`` of a Linear-like weight, or ``None`` for other modules."""
-    if isinstance(module, nn.Linear):
+    """``(output_axis, input_axis)`` of a Linear-like weight (a convolution's channels count as its
+    features; a grouped one's do not split as one), or ``None`` for other modules."""
+    if isinstance(module, nn.Linear) or (isinstance(module, _ConvNd) and module.groups == 1):
         return 0, 1
     if isinstance(module, Conv1D):
         return 1, 0
     return None
 
 
+def feature_axis(module: nn.Module) -> int:
+    """Where a layer's output holds its features: last in a Linear's ``(..., features)``, second in
+    a convolution's ``(batch, channels, ...)``."""
+    return 1 if isinstance(module, _ConvNd) else -1
+
+
 # Forwards whose computation is known to be the layer's plain maths (``x W^T + b`` for Linear-likes,
 # a lookup for Embedding), so ``shard`` may compute the same thing its own way. DecomposedLinear and
 # DecomposedConv1D add their bias as a separate op: the same maths.
 _KNOWN_FORWARDS = (nn.Linear.forward, Conv1D.forward, nn.Embedding.forward, DecomposedLinear.forward,
-                   DecomposedConv1D.forward)  # fmt: skip
+                   DecomposedConv1D.forward, nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward)  # fmt: skip
 
 
 def own_forward(module: nn.Module) -> str | None:
@@ -81,8 +90,10 @@ def infer_role(module: nn.Module, param_name: str, axis: int) -> Role | None:
     return Role.COLUMN if axis == axes[0] else Role.ROW
 
 
-def check_sync(role: Role | None, mode: str, op: str, axis: int) -> str | None:
-    """Why ``sync(mode, op, axis=...)`` contradicts ``role``, or ``None`` if it is consistent."""
+def check_sync(role: Role | None, mode: str, op: str, axis: int, features: int = -1) -> str | None:
+    """Why ``sync(mode, op, axis=...)`` contradicts ``role``, or ``None`` if it is consistent;
+    ``features``: the layer's feature axis (:func:`feature_axis`)."""
+    where = "the last dim" if features == -1 else f"dim {features}"
     if mode == "bwd_post":
         if op != "all_reduce":
             return f"bwd_post supports 'all_reduce' (or a callable), not {op!r}"
@@ -96,23 +107,21 @@ def check_sync(role: Role | None, mode: str, op: str, axis: int) -> str | None:
     if mode == "fwd_post":
         if role.output_is_partial and op not in ("all_reduce", "reduce_scatter"):
             return f"the output is a partial sum ({role.value} sharding): use all_reduce or reduce_scatter, not {op}"
-        if role.output_is_partial and op == "reduce_scatter" and axis == -1:
-            return "reduce_scatter of a partial sum scatters the sequence dim (axis=1 in HF layout), not the features"
+        if role.output_is_partial and op == "reduce_scatter" and axis == features:
+            return "reduce_scatter of a partial sum scatters the sequence (or batch) dim, not the features"
         if not role.output_is_partial:
             if op != "all_gather":
-                return (
-                    f"the output is partitioned on the last dim ({role.value} sharding): only all_gather fits, not {op}"
-                )
-            if axis != -1:
-                return f"the output is partitioned on the last dim: all_gather must use axis=-1, not {axis}"
+                return f"the output is partitioned on {where} ({role.value} sharding): only all_gather fits, not {op}"
+            if axis != features:
+                return f"the output is partitioned on {where}: all_gather must use axis={features}, not {axis}"
         return None
     # fwd_pre
     if role is Role.COLUMN and op != "all_gather":
         return f"a column-parallel layer needs its full input: only all_gather (sequence parallelism) fits, not {op}"
-    if role is Role.COLUMN and axis == -1:
-        return "all_gather before a column-parallel layer gathers the sequence dim; axis=-1 is the feature dim"
-    if role is Role.ROW and (op != "scatter" or axis != -1):
-        return "a row-parallel layer expects its input split on the last dim: only scatter with axis=-1 fits"
+    if role is Role.COLUMN and axis == features:
+        return f"all_gather before a column-parallel layer gathers the sequence dim; axis={features} is the feature dim"
+    if role is Role.ROW and (op != "scatter" or axis != features):
+        return f"a row-parallel layer expects its input split on {where}: only scatter with axis={features} fits"
     if role in (Role.VOCAB, Role.EMBEDDING_COLUMN) and op in ("all_reduce", "reduce_scatter"):
         return f"{op} of token ids makes no sense"
     return None

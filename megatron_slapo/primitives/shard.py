@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.conv import _ConvNd
 from transformers.pytorch_utils import Conv1D
 
 from megatron_slapo.metadata import ShardSpec
@@ -35,7 +36,7 @@ TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 
 class RowParallelForward:
-    """Forward of a Linear/Conv1D sharded on its input features: reduce first, then add the bias."""
+    """Forward of a Linear/Conv1D/convolution sharded on its input features: reduce first, then add the bias."""
 
     def __init__(self) -> None:
         self.reductions: list[SyncOp] = []  # applied to the product, which nothing else holds: in place
@@ -48,10 +49,14 @@ class RowParallelForward:
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if isinstance(module, nn.Linear):
             y = F.linear(x, module.weight)
+        elif isinstance(module, _ConvNd):
+            y = module._conv_forward(x, module.weight, None)
         else:  # HF Conv1D: weight is (in, out)
             y = torch.mm(x.reshape(-1, x.size(-1)), module.weight).view(*x.shape[:-1], -1)
         for reduce in self.reductions:
             y = reduce(y, fresh=True)
+        if isinstance(module, _ConvNd):  # one bias per channel, dim 1
+            return y + module.bias.view(-1, *[1] * (y.dim() - 2))
         return y + module.bias
 
 
@@ -90,6 +95,8 @@ _SIZE_ATTRS = {  # (module type, role) -> attribute that holds the now-local fea
     (nn.Linear, Role.ROW): ("in_features", 1),
     (nn.Embedding, Role.VOCAB): ("num_embeddings", 0),
     (nn.Embedding, Role.EMBEDDING_COLUMN): ("embedding_dim", 1),
+    (_ConvNd, Role.COLUMN): ("out_channels", 0),
+    (_ConvNd, Role.ROW): ("in_channels", 1),
 }
 
 
@@ -199,7 +206,7 @@ def _forward_rewrite_problem(node: Schedule, param_name: str, axis: int) -> str 
 
 
 def _known_base(mod: nn.Module) -> str:
-    for base in (nn.Linear, Conv1D, nn.Embedding):
+    for base in (nn.Linear, Conv1D, nn.Embedding, _ConvNd):
         if isinstance(mod, base):
             return base.__name__
     return type(mod).__name__

@@ -21,7 +21,7 @@ from torch import nn
 from megatron_slapo.graph_edit import why_never_called
 from megatron_slapo.parallel import collectives as C
 from megatron_slapo.primitives.forward import base_forward
-from megatron_slapo.primitives.placement import Role, check_sync, own_forward
+from megatron_slapo.primitives.placement import Role, check_sync, feature_axis, own_forward
 from megatron_slapo.primitives.registry import primitive
 from megatron_slapo.primitives.shard import RowParallelForward, VocabParallelForward
 
@@ -175,7 +175,7 @@ class SyncMixin:
         if isinstance(sync_op_or_fn, str):
             if sync_op_or_fn not in OPS:
                 raise self._error(f"unknown sync op {sync_op_or_fn!r}; expected one of {OPS} or a callable")
-            problem = check_sync(self.metadata.role, mode, sync_op_or_fn, axis)
+            problem = check_sync(self.metadata.role, mode, sync_op_or_fn, axis, feature_axis(self.mod))
             weight = self.metadata.shards.get("weight")
             if not problem and sync_op_or_fn == "all_gather" and mode == "fwd_post" and weight and weight.stride > 1:
                 problem = f"the weight is sharded with stride {weight.stride}: gathering would interleave its blocks"

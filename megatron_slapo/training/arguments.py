@@ -393,6 +393,8 @@ def _validate_t5(args: argparse.Namespace) -> None:
     """pretrain_t5.py: the decoder must hold every masked span, and what it does not do (yet)."""
     if args.decoder_seq_length is None:
         raise ConfigError("--decoder-seq-length is required")
+    if args.num_query_groups is not None:
+        raise ConfigError("--num-query-groups: T5's attention has as many key/value heads as heads")
     if args.seq_length:
         # [BOS], then per span a sentinel and its tokens: at most 1 + 2 x the masked tokens
         needed = 1 + 2 * math.ceil(args.mask_prob * args.seq_length)
@@ -438,7 +440,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             raise ConfigError(f"unknown --model-type {args.model_type!r}: give one of {', '.join(GPT_MODEL_TYPES)} or "
                               "a transformers causal-LM model type (e.g. qwen3, mistral)")  # fmt: skip
     moe = [name for name in MOE_FLAGS if getattr(args, name, None) is not None]
-    if moe and (args.load_hf or args.hf_config or args.model_type in (*GPT_MODEL_TYPES, *BERT_MODEL_TYPES)):
+    if moe and (args.load_hf or args.hf_config or args.model_type in (*GPT_MODEL_TYPES, *BERT_MODEL_TYPES,
+                                                                      *T5_MODEL_TYPES)):  # fmt: skip
         raise ConfigError(f"--{moe[0].replace('_', '-')} shapes the experts of an MoE --model-type built from the "
                           "size flags (mixtral, qwen3_moe, ...), not of this model")  # fmt: skip
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size

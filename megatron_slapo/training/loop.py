@@ -120,11 +120,7 @@ def setup(args: argparse.Namespace) -> Run:
     tp_group = parallel.tensor_parallel_group()
     chosen = args.schedule
     if args.task == "vision":
-        config, task, tokenizer = build_vision_config(args), VisionTask(), None
-        # megatron-core's TransformerConfig needs them: the blocks, the last stage's channels, and
-        # "heads" it accepts (a multiple of the TP size): an image model has none
-        args.num_layers, args.hidden_size = config.num_hidden_layers, config.channels[-1]
-        args.num_attention_heads = args.tensor_model_parallel_size
+        config, task, tokenizer = _vision_task(args), VisionTask(), None
     else:
         config, task, tokenizer = _language_task(args, tp_group)
     if chosen is None:
@@ -161,8 +157,8 @@ def setup(args: argparse.Namespace) -> Run:
     if args.sequence_parallel and args.task != "vision":  # an image model's schedule splits the batch itself
         sequence.split_layers(sch, layers)
     if recomputing:
-        shared = len(layers) < config.num_hidden_layers  # ALBERT: fewer layer modules than depths (T5 has more)
-        print_rank_0(recompute.apply(sch, args, layers, stages, config.num_hidden_layers if shared else None))
+        depths = config.num_hidden_layers if shared_layers(model) else None  # ALBERT: one layer, several depths
+        print_rank_0(recompute.apply(sch, args, layers, stages, depths))
     if args.compile:
         for path in layers:
             if not sch[path].metadata.compiled:  # a schedule may compile its layers itself (gpt_fused)
@@ -212,6 +208,16 @@ def setup(args: argparse.Namespace) -> Run:
         )
     reporter = Reporter(args, flops * per_iteration, per_iteration, device_peak_tflops(args.peak_tflops), unit)
     return Run(args, task, engine, layout, resume, datasets, reporter, metadata, started)
+
+
+def _vision_task(args: argparse.Namespace) -> Any:
+    """The image model's config; Megatron's model-shape arguments, which megatron-core's
+    TransformerConfig needs: the blocks, the last stage's channels, and "heads" it accepts (the TP
+    size: an image model has none)."""
+    config = build_vision_config(args)
+    args.num_layers, args.hidden_size = config.num_hidden_layers, config.channels[-1]
+    args.num_attention_heads = args.tensor_model_parallel_size
+    return config
 
 
 def _language_task(args: argparse.Namespace, tp_group: Any) -> tuple[Any, GPTTask | BERTTask | T5Task, Any]:

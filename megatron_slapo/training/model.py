@@ -387,8 +387,11 @@ def pipeline_stages(args: argparse.Namespace, num_layers: int) -> int:
 def pipeline_cuts(config: transformers.PretrainedConfig, layers: list[str], stages: int) -> list[str]:
     """Where each stage after the first starts: at layers evenly spaced, or, for an encoder-decoder
     in two stages, at its decoder stack, so that only the encoder's output crosses the cut."""
-    if getattr(config, "is_encoder_decoder", False) and stages > 1:
-        return ["decoder"]  # validate_args allows T5 two stages only
+    if getattr(config, "is_encoder_decoder", False) and stages > 1:  # validate_args allows T5 two stages only
+        if config.num_decoder_layers != config.num_layers:  # recompute counts the stages' layers as halves
+            raise ConfigError(f"T5 in two pipeline stages needs stacks of equal depth, not {config.num_layers} "
+                              f"encoder and {config.num_decoder_layers} decoder layers")  # fmt: skip
+        return ["decoder"]
     return [layers[k * len(layers) // stages] for k in range(1, stages)]
 
 

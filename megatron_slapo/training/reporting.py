@@ -56,13 +56,13 @@ def log_engine_memory(report: dict[str, int], coordinates: tuple[int, int, int])
 class Reporter:
     """Accumulates a log interval of steps; prints the log line; writes TensorBoard scalars."""
 
-    def __init__(self, args: argparse.Namespace, flops_per_iteration: float, tokens_per_iteration: int,
+    def __init__(self, args: argparse.Namespace, flops_per_iteration: float, per_iteration: int,
                  peak_tflops: float | None, unit: str = "tokens") -> None:  # fmt: skip
-        """``tokens_per_iteration`` counts ``unit``: tokens, or samples for an image model."""
+        """``per_iteration``: the ``unit``s of a step, tokens, or samples for an image model."""
         self.args, self.unit = args, unit
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.is_last = (dist.get_rank() if dist.is_initialized() else 0) == self.world - 1
-        self.flops, self.tokens, self.peak = flops_per_iteration, tokens_per_iteration, peak_tflops
+        self.flops, self.per_iteration, self.peak = flops_per_iteration, per_iteration, peak_tflops
         self.writer = None
         if self.is_last and args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -82,9 +82,9 @@ class Reporter:
 
     def _rates(self, seconds_per_iteration: float) -> tuple[float, float, float | None]:
         tflops = self.flops / (seconds_per_iteration * 1e12 * self.world)
-        tokens_per_second = self.tokens / seconds_per_iteration
+        per_second = self.per_iteration / seconds_per_iteration
         mfu = 100 * tflops / self.peak if self.peak else None
-        return tflops, tokens_per_second, mfu
+        return tflops, per_second, mfu
 
     def step(self, iteration: int, consumed: int, result: StepResult, seconds: float) -> None:
         """Record one iteration; print the line at every ``--log-interval``."""
@@ -169,8 +169,8 @@ class Reporter:
         parts = []
         kind = "validation" if split == "val" else split
         for name, value in sorted(metrics.items()):
-            ppl = math.exp(min(20.0, value))
             is_loss = name.endswith("loss")  # a perplexity only for a loss (not for an accuracy)
+            ppl = math.exp(min(20.0, value)) if is_loss else None
             parts.append(f"{name} value: {value:.6E}" + (f" | {name} PPL: {ppl:.6E}" if is_loss else ""))
             if self.writer:
                 self.writer.add_scalar(f"{name} {kind}", value, iteration)

@@ -40,17 +40,32 @@ def train_losses(task: str, argv: list[str], tb: str, tag: str = "lm loss") -> d
     return last_rank_value(lambda: tb_scalars(tb, tag))
 
 
-def single_process_losses(task: str, argv: list[str], tb: str, tag: str = "lm loss") -> dict[int, float]:
-    """The same run as one plain process (no torchrun), started by rank 0: the reference layout."""
+def first_rank_value(fn):
+    """Run ``fn`` on rank 0 (where the single-process reference wrote) and share its result."""
+    box = [fn() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# Runs a script with torch's own convolution kernels instead of oneDNN's: the same maths, rounded otherwise
+_OTHER_KERNELS = ("import runpy, sys, torch; torch.backends.mkldnn.enabled = False; sys.argv = sys.argv[1:]; "
+                  "runpy.run_path(sys.argv[0], run_name='__main__')")  # fmt: skip
+
+
+def single_process_losses(
+    task: str, argv: list[str], tb: str, tag: str = "lm loss", other_kernels: bool = False
+) -> dict[int, float]:
+    """The same run as one plain process (no torchrun), started by rank 0: the reference layout.
+    ``other_kernels``: with torch's own convolution kernels, to measure what rounding alone moves."""
     if dist.get_rank() == 0:
         env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC")}
-        cmd = [sys.executable, os.path.join(ROOT, f"pretrain_{task}.py"), *argv, "--tensorboard-dir", tb]
+        script = os.path.join(ROOT, f"pretrain_{task}.py")
+        runner = [sys.executable, "-c", _OTHER_KERNELS] if other_kernels else [sys.executable]
+        cmd = [*runner, script, *argv, "--tensorboard-dir", tb]
         done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
     dist.barrier()
-    box = [tb_scalars(tb, tag) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return first_rank_value(lambda: tb_scalars(tb, tag))
 
 
 def reference_losses(shared_tmp: str, run_of: Callable[[str], tuple[str, list[str]]]) -> Callable[[str], dict]:

@@ -36,6 +36,10 @@ def test_t5_tp_matches_the_unscheduled_model(group, gated):
             "decoder.block.0.layer.0.SelfAttention.relative_attention_bias", "decoder.block.1.layer.1.EncDecAttention.k",
             "decoder.block.1.layer.2.DenseReluDense.wo"} <= split, split  # fmt: skip
     assert not any("layer_norm" in path for path in split), split
+    fused = {path for path, node in sch.named_schedules() if hasattr(node.mod, "shared_input")}
+    gate_up = {f"{stack}.block.{i}.layer.{ffn}.DenseReluDense.{w}" for stack, ffn in (("encoder", 1), ("decoder", 2))
+               for i in range(2) for w in ("wi_0", "wi_1")}  # fmt: skip
+    assert (gate_up <= fused) == gated and not any(".wi" in path for path in fused - gate_up), fused
 
 
 @pytest.fixture(scope="module")
