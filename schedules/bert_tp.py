@@ -56,4 +56,4 @@ def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
     # The model type names the base model's attribute; a traced root (pipeline) lacks HF's own field.
     prefix = getattr(config, "model_type", None) or sch.mod.base_model_prefix
     apply_plan(sch, plan_for(plan(prefix), args))
-    swap_in_kernels(sch)  # ALBERT's gelu_new as one kernel
+    swap_in_kernels(sch)  # a formula GeLU (ALBERT's gelu_new) as one kernel; BERT's and RoBERTa's are one already

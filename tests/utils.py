@@ -62,6 +62,20 @@ def tiny_llama_config(**overrides) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(**{**kw, **overrides})
 
 
+def tiny_albert() -> transformers.AlbertForPreTraining:
+    """One layer shared by two depths, a factorised embedding."""
+    return transformers.AlbertForPreTraining(transformers.AlbertConfig(
+        vocab_size=128, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))  # fmt: skip
+
+
+def tiny_roberta() -> transformers.RobertaForMaskedLM:
+    """Masked LM only; positions offset by the padding id."""
+    return transformers.RobertaForMaskedLM(transformers.RobertaConfig(
+        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=66, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1))  # fmt: skip
+
+
 def tiny_t5(gated: bool) -> transformers.T5ForConditionalGeneration:
     """T5 v1.0 (ReLU FFN, tied head) or v1.1 (gated-GeLU FFN, untied head), two layers a stack."""
     config = transformers.T5Config(

@@ -11,7 +11,7 @@ import megatron_slapo as ms
 from megatron_slapo.parallel.sequence import split_layers
 from megatron_slapo.training.model import transformer_layers
 from schedules import SCHEDULES
-from tests.utils import tiny_bert_config, tiny_gpt2_config, tiny_llama_config
+from tests.utils import tiny_albert, tiny_bert_config, tiny_gpt2_config, tiny_llama_config, tiny_roberta
 
 CASES = {
     "gpt_tp": lambda: transformers.GPT2LMHeadModel(tiny_gpt2_config()),
@@ -24,12 +24,8 @@ CASES = {
         num_attention_heads=4, word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, pad_token_id=1)),
     "llama_tp": lambda: transformers.LlamaForCausalLM(tiny_llama_config()),
     "bert_tp": lambda: transformers.BertForPreTraining(tiny_bert_config()),
-    "bert_tp/albert": lambda: transformers.AlbertForPreTraining(transformers.AlbertConfig(
-        vocab_size=128, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
-    "bert_tp/roberta": lambda: transformers.RobertaForMaskedLM(transformers.RobertaConfig(
-        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=66, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1)),
+    "bert_tp/albert": tiny_albert,
+    "bert_tp/roberta": tiny_roberta,
 }  # fmt: skip
 
 

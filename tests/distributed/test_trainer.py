@@ -19,7 +19,17 @@ from megatron_slapo.training.loop import pretrain
 from schedules import gpt_tp
 from tests.distributed.conftest import use_layout
 from tests.distributed.runs import TINY, TP2, last_rank_value
-from tests.utils import max_diff, tb_scalars, tb_tags, tiny_bert_config, tiny_llama_config, tiny_t5, tiny_wideresnet
+from tests.utils import (
+    max_diff,
+    tb_scalars,
+    tb_tags,
+    tiny_albert,
+    tiny_bert_config,
+    tiny_llama_config,
+    tiny_roberta,
+    tiny_t5,
+    tiny_wideresnet,
+)
 from tools import convert_checkpoint, preprocess_data, train_tokenizer
 
 
@@ -208,12 +218,8 @@ HF_MODELS = {  # case -> (schedule, a model to convert)
         vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, max_position_embeddings=64))),
     "bert_tp": ("bert_tp", lambda: transformers.BertForPreTraining(tiny_bert_config())),
-    "bert_tp-roberta": ("bert_tp", lambda: transformers.RobertaForMaskedLM(transformers.RobertaConfig(
-        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=66, pad_token_id=1))),
-    "bert_tp-albert": ("bert_tp", lambda: transformers.AlbertForPreTraining(transformers.AlbertConfig(
-        vocab_size=128, embedding_size=16, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64))),
+    "bert_tp-roberta": ("bert_tp", tiny_roberta),
+    "bert_tp-albert": ("bert_tp", tiny_albert),
     "t5_tp": ("t5_tp", lambda: tiny_t5(gated=True)),  # untied head, wi_0 | wi_1
     "wideresnet_tp": ("wideresnet_tp", tiny_wideresnet),  # BatchNorm buffers split too
 }  # fmt: skip

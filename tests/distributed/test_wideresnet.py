@@ -28,7 +28,7 @@ from tests.distributed.runs import (
     single_process_losses,
     train_losses,
 )
-from tests.utils import max_diff, tb_scalars, tiny_wideresnet
+from tests.utils import max_diff, tb_scalars, tb_tags, tiny_wideresnet
 from tools import convert_checkpoint
 
 TP2 = ["--schedule", "wideresnet_tp", "--tensor-model-parallel-size", "2"]
@@ -197,9 +197,15 @@ def test_tp2_trains_as_one_process(reference, shared_tmp, flags, request):
 
 def test_pretrain_vision_learns(shared_tmp):
     """The default run, shortened: top-1 accuracy at least five times chance (10 classes), and the
-    loss down by a quarter."""
+    loss down by a quarter. Throughput counts samples, and only the loss has a perplexity."""
     tb = os.path.join(shared_tmp, "tb-wrn-learns")
-    pretrain("vision", [*TP2, "--train-iters", "50", "--eval-interval", "25", "--tensorboard-dir", tb])
+    pretrain("vision", [*TP2, "--train-iters", "50", "--eval-interval", "25", "--tensorboard-dir", tb,
+                        "--log-validation-ppl-to-tensorboard"])  # fmt: skip
+    tags = set(last_rank_value(lambda: tb_tags(tb)))
+    assert {"throughput(sps)", "loss validation ppl"} <= tags and not {
+        "throughput(tps)",
+        "accuracy validation ppl",
+    } & tags
     accuracy = last_rank_value(lambda: tb_scalars(tb, "accuracy validation"))
     loss = last_rank_value(lambda: tb_scalars(tb, "loss"))
     assert accuracy[50] >= 0.5, accuracy
