@@ -48,19 +48,28 @@ def test_a_kernel_that_cannot_run_fails_instead_of_falling_back(monkeypatch):
     """Restricted to kernels torch cannot use (cuDNN's never takes CPU tensors), the attention
     raises, where torch's own SDPA would have fallen back to another kernel unnoticed."""
     monkeypatch.setitem(attention.KERNELS, "fused", (SDPBackend.CUDNN_ATTENTION,))
-    assert attention.unavailable("fused", torch.device("cpu"), 0.0) == "torch has no fused attention kernel on cpu"
+    assert attention.unavailable("fused", torch.device("cpu"), 0.0) == "torch has no fused attention kernel on cpu in float32"
     q = torch.zeros(1, 2, 8, 16)
     with pytest.raises(RuntimeError):
         attention._attention(attention.KERNELS["fused"], torch.nn.Module(), q, q, q, None, is_causal=True)
 
 
 def test_the_trainer_refuses_a_backend_without_a_kernel_in_one_line(monkeypatch, capsys):
-    monkeypatch.setattr(attention, "unavailable", lambda backend, device, dropout: f"torch has no {backend} kernel")
-    argv = [*GPT, *SIZES, *TRAIN, "--attention-backend", "flash"]
-    assert one_error_line("gpt", argv, capsys) == (
-        "--attention-backend flash: torch has no flash kernel; use --attention-backend auto (torch picks a kernel) "
-        "or unfused"
-    )
+    """The kernel is probed at the run's precision: a GPU's flash attention takes only 16-bit inputs."""
+    probed = []
+
+    def unavailable(backend, device, dropout, dtype):
+        probed.append(dtype)
+        return f"torch has no {backend} kernel"
+
+    monkeypatch.setattr(attention, "unavailable", unavailable)
+    for precision in ([], ["--bf16"]):
+        argv = [*GPT, *SIZES, *TRAIN, "--attention-backend", "flash", *precision]
+        assert one_error_line("gpt", argv, capsys) == (
+            "--attention-backend flash: torch has no flash kernel; use --attention-backend auto (torch picks a "
+            "kernel) or unfused"
+        )
+    assert probed == [torch.float32, torch.bfloat16]
 
 
 def test_a_model_without_sdpa_attention_is_refused_in_one_line(capsys):

@@ -1,6 +1,7 @@
 """Kernels, against the code they replace: drop-in GeLU and RMS norm, compiled layers, the chunked
 cross-entropy."""
 
+import argparse
 import copy
 
 import pytest
@@ -15,8 +16,10 @@ from megatron_slapo.errors import SchedulingError
 from megatron_slapo.kernels import cross_entropy
 from megatron_slapo.kernels.cross_entropy import chunked_cross_entropy
 from megatron_slapo.kernels.drop_in import GeLU, RMSNorm, swap_in_kernels
+from megatron_slapo.parallel.random import seed
 from megatron_slapo.parallel.vocab import VocabParallelLMLoss
 from megatron_slapo.primitives.compile import compiler_problem
+from schedules import llama_tp
 from tests.utils import require_compiler, tiny_gpt2_config, tiny_llama_config
 
 
@@ -118,6 +121,32 @@ def test_compile_refusals():
     with pytest.raises(SchedulingError, match="already applied"):
         sch["transformer.h.0"].compile()
     assert "no-such-backend" in compiler_problem("no-such-backend")
+
+
+def test_the_compiler_probe_answers_alike_under_no_grad():
+    """Its first caller may be a loss's forward (no_grad): the probe's backward must still run."""
+    compiler_problem.cache_clear()
+    with torch.no_grad():
+        under_no_grad = compiler_problem()
+    compiler_problem.cache_clear()
+    assert under_no_grad == compiler_problem()
+
+
+def test_a_layer_without_attention_dropout_compiles_as_one_graph():
+    """llama_tp forks the RNG around attention for its dropout masks. Llama has no attention
+    dropout, so no fork runs, and each compiled layer stays one graph (a fork breaks it in four)."""
+    require_compiler()
+    seed(0)
+    config = tiny_llama_config()
+    sch = ms.create_schedule(transformers.LlamaForCausalLM(config))
+    llama_tp.apply(sch, config, argparse.Namespace(sequence_parallel=False))
+    for layer in range(config.num_hidden_layers):
+        sch[f"model.layers.{layer}"].compile()
+    model = ms.build(sch, init_weights=False)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model(torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))).logits.sum().backward()
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -71,6 +71,7 @@ RECIPES = {
     "gpt_fused, ratio 0.5": ("gpt_fused", 0.5, False),
     "compile": ("default", None, True),
     "llama_tp": ("llama_tp", None, False),  # on one device: q|k|v and gate|up one GEMM each, F.rms_norm, chunked CE
+    "llama_tp + compile": ("llama_tp", None, True),  # --schedule llama_tp --compile
 }
 
 GPT2_SMALL = (("n_layer", 4), ("n_embd", 768), ("n_head", 12))  # GPT-2's dropout: 0.1 everywhere
@@ -88,9 +89,12 @@ GRIDS = {  # the issue's CPU config (2 cores), the GPU configs (one H100), a smo
             *(Row("gpt2 4L h768 no dropout", "gpt2", GPT2_SMALL + NO_DROPOUT, 512, 2, "gpt_fused", dtype)
               for dtype in DTYPES)],
     "gpu": [Row("gpt2 124M", "gpt2", GPT2_124M, 1024, 8, "gpt_fused", "bf16"),
-            Row("gpt2 124M", "gpt2", GPT2_124M, 1024, 8, "gpt_fused, ratio 0.5", "bf16"),
+            Row("gpt2 124M", "gpt2", GPT2_124M, 1024, 8, "compile", "bf16"),
+            Row("gpt2 124M no dropout", "gpt2", GPT2_124M + NO_DROPOUT, 1024, 8, "gpt_fused", "bf16"),
+            Row("llama 1B", "llama", LLAMA_1B, 2048, 4, "llama_tp", "bf16"),
             Row("llama 1B", "llama", LLAMA_1B, 2048, 4, "compile", "bf16"),
-            Row("llama 1B", "llama", LLAMA_1B, 2048, 4, "llama_tp", "bf16")],
+            Row("llama 1B", "llama", LLAMA_1B, 2048, 4, "llama_tp + compile", "bf16"),
+            Row("gpt2 124M", "gpt2", GPT2_124M, 1024, 8, "gpt_fused, ratio 0.5", "bf16")],
     "cpu-llama": [Row("llama 4L h768", "llama", LLAMA_SMALL, 512, 2, "llama_tp", dtype) for dtype in DTYPES],
     "tiny": [Row("gpt2 tiny", "gpt2", TINY, 32, 2, "gpt_fused", "fp32")],
 }  # fmt: skip
@@ -256,11 +260,14 @@ def main() -> None:
     a = p.parse_args()
     if a.warmup < 2:
         p.error("--warmup must be at least 2: a compiled recipe compiles its forward, then its backward")
-    results = [measure(row, a.warmup, a.steps, device_peak_tflops(a.peak_tflops)) for row in GRIDS[a.grid]]
-    print(f"tools/bench.py --grid {a.grid} on {results[0]['device']}: median of {a.steps} steps after {a.warmup}\n")
+    results = []
+    for row in GRIDS[a.grid]:  # each row reported, and the JSON rewritten, as soon as it is measured
+        results.append(measure(row, a.warmup, a.steps, device_peak_tflops(a.peak_tflops)))
+        print(table(results[-1:]).splitlines()[-1], flush=True)
+        if a.json:
+            Path(a.json).write_text(json.dumps(results, indent=1))
+    print(f"\ntools/bench.py --grid {a.grid} on {results[0]['device']}: median of {a.steps} steps after {a.warmup}\n")
     print(table(results))
-    if a.json:
-        Path(a.json).write_text(json.dumps(results, indent=1))
     if a.plot:
         plot(results, a.plot)
 

@@ -44,14 +44,16 @@ def implementation(backend: str) -> str:
     return name
 
 
-def unavailable(backend: str, device: torch.device, dropout: float) -> str | None:
-    """Why ``backend``'s kernels cannot train here (a tiny causal attention with ``dropout``), or None."""
-    q = torch.zeros(1, 2, 8, 16, device=device, requires_grad=True)
+def unavailable(backend: str, device: torch.device, dropout: float, dtype: torch.dtype = torch.float32) -> str | None:
+    """Why ``backend``'s kernels cannot train here (a tiny causal attention in ``dtype`` with
+    ``dropout``), or None. The dtype matters: flash attention takes only 16-bit inputs."""
+    q = torch.zeros(1, 2, 8, 16, device=device, dtype=dtype, requires_grad=True)
     try:
         with sdpa_kernel(list(KERNELS[backend])), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch warns of each kernel it cannot use, then raises
             F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=dropout).sum().backward()
     except RuntimeError:
         with_dropout = f" with attention dropout {dropout:g}" if dropout else ""
-        return f"torch has no {backend} attention kernel on {device.type}{with_dropout}"
+        in_dtype = str(dtype).removeprefix("torch.")
+        return f"torch has no {backend} attention kernel on {device.type} in {in_dtype}{with_dropout}"
     return None

@@ -15,18 +15,43 @@ megatron-core's: the per-token maximum, then the target logits and sums of expon
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from megatron_slapo.parallel.collectives import Group, group_size
+from megatron_slapo.primitives.compile import compiler_problem
 
-CHUNK_BYTES = 32 * 2**20  # fp32 bytes of one chunk of logits: small enough to stay out of the way
+CHUNK_BYTES = 32 * 2**20  # fp32 bytes of one chunk of logits on a CPU: small enough to stay in the way of nothing
+CUDA_CHUNK_BYTES = 512 * 2**20  # on a GPU: few enough chunks that kernel launches do not dominate
 
 
-def chunks(rows: int, columns: int) -> list[slice]:
-    """Row slices of a ``rows x columns`` fp32 matrix, each about :data:`CHUNK_BYTES`."""
-    step = max(1, CHUNK_BYTES // (4 * columns))
+def chunks(rows: int, columns: int, device: torch.device | None = None) -> list[slice]:
+    """Row slices of a ``rows x columns`` fp32 matrix, each about :data:`CHUNK_BYTES` (on a GPU
+    :data:`CUDA_CHUNK_BYTES`)."""
+    limit = CUDA_CHUNK_BYTES if device is not None and device.type == "cuda" else CHUNK_BYTES
+    step = max(1, limit // (4 * columns))
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def _loss_parts_and_grad(logits: torch.Tensor, local: torch.Tensor, inside: torch.Tensor):
+    """One chunk of whole-vocabulary logits in one pass: the target's shifted logit, the sum of
+    exponentials, and ``softmax - one_hot`` in the logits' dtype (computed in fp32)."""
+    x = logits.float() - logits.float().amax(dim=-1, keepdim=True)  # a new fp32 chunk, then in place
+    target_logit = x.gather(1, local[:, None]).squeeze(1).masked_fill(~inside, 0.0)
+    sum_exp = x.exp_().sum(dim=-1)
+    x.div_(sum_exp[:, None]).scatter_add_(1, local[:, None], -inside[:, None].float())
+    return target_logit, sum_exp, x.to(logits.dtype)
+
+
+@functools.cache
+def _one_pass(device_type: str):
+    """:func:`_loss_parts_and_grad`, compiled on a GPU where inductor builds (one read of the logits
+    and one write of the gradient, instead of a kernel per step of the maths); eager elsewhere."""
+    if device_type == "cuda" and compiler_problem() is None:
+        return torch.compile(_loss_parts_and_grad, dynamic=True)
+    return _loss_parts_and_grad
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -34,16 +59,25 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: Group, ignore_index: int,
                 vocab_start: int) -> torch.Tensor:  # fmt: skip
         rows, columns = logits.shape
-        parts = chunks(rows, columns)
+        parts = chunks(rows, columns, logits.device)
         distributed = group_size(group) > 1
+        local = target - vocab_start
+        inside = (local >= 0) & (local < columns)
+        local = local.masked_fill(~inside, 0)
+        valid = (target != ignore_index) & (target >= 0) & (target < columns * group_size(group))
+        if not distributed and ctx.needs_input_grad[0]:  # the whole vocabulary here: one pass a chunk
+            grad, sums = torch.empty_like(logits), torch.empty(2, rows, dtype=torch.float32, device=logits.device)
+            for part in parts:
+                sums[0, part], sums[1, part], grad[part] = _one_pass(logits.device.type)(
+                    logits[part], local[part], inside[part]
+                )
+            ctx.save_for_backward(grad, valid)
+            return (sums[1].log() - sums[0]).masked_fill(~valid, 0.0)
         logits_max = torch.empty(rows, dtype=torch.float32, device=logits.device)
         for part in parts:
             logits_max[part] = logits[part].float().amax(dim=-1)
         if distributed:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        local = target - vocab_start
-        inside = (local >= 0) & (local < columns)
-        local = local.masked_fill(~inside, 0)
         sums = torch.empty(2, rows, dtype=torch.float32, device=logits.device)  # target logit, sum of exp
         for part in parts:
             shifted = logits[part].float() - logits_max[part, None]
@@ -52,7 +86,6 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         if distributed:
             dist.all_reduce(sums, group=group)
         target_logit, sum_exp = sums
-        valid = (target != ignore_index) & (target >= 0) & (target < columns * group_size(group))
         loss = (sum_exp.log() - target_logit).masked_fill(~valid, 0.0)
         if not ctx.needs_input_grad[0]:  # evaluation: no gradient to prepare
             return loss

@@ -62,7 +62,11 @@ class AttentionCore:
     checkpoint: bool = False
 
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        fn = functools.partial(on_model_parallel_rng, inner) if self.fork_rng else inner
+        # HF's attention functions take their dropout probability: at 0 (evaluation, or a model
+        # without attention dropout, as Llama) nothing random runs, so the fork would change
+        # nothing, and under torch.compile it would split the layer's graph in four
+        forked = self.fork_rng and kwargs.get("dropout") != 0
+        fn = functools.partial(on_model_parallel_rng, inner) if forked else inner
         return checkpointed(fn, *args, **kwargs) if self.checkpoint else fn(*args, **kwargs)
 
 

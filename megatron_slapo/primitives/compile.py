@@ -44,7 +44,8 @@ def compiler_problem(backend: str = "inductor") -> str | None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.ones(4, device=device, requires_grad=True)
     try:
-        torch.compile(lambda t: (t * 2).sin(), backend=backend, fullgraph=True)(x).sum().backward()
+        with torch.enable_grad():  # the first caller may be inside no_grad (a loss's forward)
+            torch.compile(lambda t: (t * 2).sin(), backend=backend, fullgraph=True)(x).sum().backward()
     except Exception as e:  # noqa: BLE001 (whatever the backend raises, the answer is "it cannot")
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return f"torch.compile(backend={backend!r}) cannot build kernels on {device}: {type(e).__name__} {first}"

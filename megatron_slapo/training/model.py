@@ -308,7 +308,8 @@ def check_attention_backend(args: argparse.Namespace) -> None:
     """ConfigError, before anything is built, when the --attention-backend kernel cannot train here."""
     if getattr(args, "attention_backend", None) in attention.KERNELS:  # image models have no attention
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        problem = attention.unavailable(args.attention_backend, device, args.attention_dropout)
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32  # the attention's inputs
+        problem = attention.unavailable(args.attention_backend, device, args.attention_dropout, dtype)
         if problem:
             raise ConfigError(f"--attention-backend {args.attention_backend}: {problem}; use --attention-backend "
                               "auto (torch picks a kernel) or unfused")  # fmt: skip
