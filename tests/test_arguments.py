@@ -201,8 +201,6 @@ def test_embedded_run_takes_train_samples_instead_of_its_default_iterations():
         (["--train-iters", "10", "--exit-duration-in-mins", "0"], "--exit-duration-in-mins 0 must be > 0"),
         (["--train-iters", "10", "--pipeline-model-parallel-size", "2", "--reset-attention-mask"],
          "--reset-attention-mask cannot run with --pipeline-model-parallel-size > 1 yet"),
-        (["--train-iters", "10", "--compile", "--engine", "fsdp"], "--compile: compiled layers are verified with "
-         "--engine megatron and ddp, not fsdp"),
     ],
 )  # fmt: skip
 def test_trainer_flag_contradictions_are_one_clear_error(extra, message):

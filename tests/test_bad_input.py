@@ -87,8 +87,6 @@ def test_embedded_run_with_a_pretrained_model_keeps_its_shape(tmp_path):
          "not albert; schedules that fit albert: default, bert_tp"),
         ("gpt", ["--schedule", "auto"], f"--schedule auto is for {', '.join(auto.MODEL_TYPES[:-1])} and "
          f"{auto.MODEL_TYPES[-1]} models, not gpt2; schedules that fit gpt2: default, gpt_tp, gpt_fused"),
-        ("gpt", ["--schedule", "gpt_fused", "--engine", "fsdp"], "--schedule gpt_fused compiles its layers: compiled "
-         "layers are verified with --engine megatron and ddp, not fsdp"),
         ("gpt", ["--model-type", "bert"], "--model-type bert is an encoder: pretrain_gpt.py trains decoder-only "
          "models (for encoders use pretrain_bert.py)"),
         ("gpt", ["--model-type", "no_such_model"], "unknown --model-type 'no_such_model': give one of gpt2, gpt_neo, "

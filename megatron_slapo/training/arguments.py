@@ -468,8 +468,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
                               "--tensor-model-parallel-size > 1")  # fmt: skip
     if args.checkpoint_ratio is not None and args.recompute_granularity:
         raise ConfigError("--checkpoint-ratio and --recompute-granularity both choose the recomputed layers: give one")
-    if args.compile and args.engine not in ("megatron", "ddp"):
-        raise ConfigError(f"--compile: compiled layers are verified with --engine megatron and ddp, not {args.engine}")
     if args.recompute_granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers != 1:
         raise ConfigError("--recompute-method uniform recomputes each layer as its own unit here: use "
                           "--recompute-num-layers 1 (or --recompute-method block to recompute only some layers)")  # fmt: skip

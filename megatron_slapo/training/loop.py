@@ -166,13 +166,15 @@ def setup(args: argparse.Namespace) -> Run:
     backends = {node.metadata.compiled for _, node in sch.named_schedules()} - {None}
     if backends:
         why = "--compile" if args.compile else f"--schedule {args.schedule} compiles its layers"
-        if args.engine not in ("megatron", "ddp"):
-            raise ConfigError(f"{why}: compiled layers are verified with --engine megatron and ddp, not {args.engine}")
         problems = [problem for problem in map(compiler_problem, sorted(backends)) if problem]
         if problems:
             raise ConfigError(f"{why}: {problems[0]}")
         count = sum(1 for _, node in sch.named_schedules() if node.metadata.compiled)
         print_rank_0(f"> torch.compile ({', '.join(sorted(backends))}): {count} modules, compiled on first use")
+        if args.engine == "deepspeed" and args.zero_stage == 3:  # exact, but compiled in pieces
+            print_rank_0("> note: ZeRO-3 gathers each submodule's weights in hooks that torch.compile skips, so "
+                         "each compiled layer runs as the pieces between them; FSDP (--engine fsdp) gathers "
+                         "per layer and keeps it whole")  # fmt: skip
     for path in pipeline_cuts(config, layers, stages):
         sch[path].cut_pipeline_stage()
     if layout.tp_size == 1 and shards and world > 1:

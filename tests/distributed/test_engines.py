@@ -78,7 +78,15 @@ def reference(shared_tmp, cache):
                                                      [*MODEL, *runs[key], "--data-cache-path", cache]))  # fmt: skip
 
 
-CASES = [layout_case(task, name, sizes, flags) for name, (sizes, flags) in LAYOUTS.items() for task in SCHEDULES]
+# torch.compile per layer under the sharded engines (their gathers and hooks stay outside the compiled
+# code): GPT only, the compiled code being the same for BERT's layers
+COMPILED = {
+    "fsdp-tp2-dp2-compile": ((4,), ["--engine", "fsdp", *TP2, "--compile"]),
+    "zero2-dp2-compile": ((2,), [*ZERO, "2", "--compile"]),
+    "zero3-dp2-compile": ((2,), [*ZERO, "3", "--compile"]),
+}
+CASES = [*(layout_case(task, name, sizes, flags) for name, (sizes, flags) in LAYOUTS.items() for task in SCHEDULES),
+         *(layout_case("gpt", name, sizes, flags) for name, (sizes, flags) in COMPILED.items())]  # fmt: skip
 
 
 @pytest.mark.parametrize("task, flags", CASES)
