@@ -118,3 +118,29 @@ apply = make(PLAN)
     # places HF's own (fused k|v, the relative bias by head, both FFN kinds) in 18 (docs/benchmarks.md)
     assert all(r[4].strip() == "yes" for r in rows if r[0].strip() != "t5_tp"), proc.stdout
     assert [int(r[2]) for r in rows if r[0].strip() == "t5_tp"] == [18], proc.stdout  # no more than documented
+
+
+def test_plot_draws_the_loss_and_throughput_of_each_run(tmp_path):
+    """tools/plot.py: a panel per tag, a line per run (a resumed run's event files together); a tag
+    no run has is one error line naming those there are."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    for name, offset in (("a", 0.0), ("b", 0.5)):
+        for first, last in ((1, 4), (4, 7)):  # written by two processes, as a resumed run
+            with SummaryWriter(str(tmp_path / name)) as writer:
+                for step in range(first, last):
+                    writer.add_scalar("lm loss", 8 - step + offset, step)
+                    writer.add_scalar("throughput(tps)", 1000 + step, step)
+    from tools.plot import read_scalars
+
+    assert read_scalars(str(tmp_path / "b"))["lm loss"] == {step: 8.5 - step for step in range(1, 7)}
+    png = tmp_path / "curves.png"
+    proc = run(sys.executable, "tools/plot.py", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(png))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == f"{png}: lm loss, throughput(tps) for 2 run(s)"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    proc = run(sys.executable, "tools/plot.py", str(tmp_path / "a"), "--tags", "accuracy", "--out", str(png))
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "plot.py: no run has ['accuracy']; the runs have: lm loss, throughput(tps)"
+    )
