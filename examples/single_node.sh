@@ -6,17 +6,25 @@
 #         --vocab-file gpt2-vocab.json --merge-file gpt2-merges.txt --num-layers 24 --hidden-size 1024 ...
 #     bash examples/single_node.sh --dry-run     # print the command; run nothing
 #
-# Environment: GPUS (default: the GPUs nvidia-smi lists, else 2), TP (default 2), PYTHON (default python3).
+# Environment: GPUS (default: the visible GPUs, CUDA_VISIBLE_DEVICES or nvidia-smi's list; 2 CPU
+# processes on a machine without one), TP (default 2, 1 on one GPU), PYTHON (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GPUS=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)}
-((GPUS > 0)) || GPUS=2
+if [[ -z ${GPUS:-} ]]; then
+    if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
+        GPUS=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
+    else
+        GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+    fi
+    ((GPUS > 0)) || GPUS=2
+fi
+TP=${TP:-$((GPUS > 1 ? 2 : 1))}
 dry_run=0 args=()
 for arg in "$@"; do
     if [[ $arg == --dry-run ]]; then dry_run=1; else args+=("$arg"); fi
 done
 cmd=("${PYTHON:-python3}" -m torch.distributed.run --standalone --nproc_per_node "$GPUS"
-     pretrain_gpt.py --schedule gpt_tp --tensor-model-parallel-size "${TP:-2}" "${args[@]}")
+     pretrain_gpt.py --schedule gpt_tp --tensor-model-parallel-size "$TP" ${args[@]+"${args[@]}"})
 if ((dry_run)); then
     printf '%q ' "${cmd[@]}"
     echo

@@ -48,7 +48,10 @@ def test_a_kernel_that_cannot_run_fails_instead_of_falling_back(monkeypatch):
     """Restricted to kernels torch cannot use (cuDNN's never takes CPU tensors), the attention
     raises, where torch's own SDPA would have fallen back to another kernel unnoticed."""
     monkeypatch.setitem(attention.KERNELS, "fused", (SDPBackend.CUDNN_ATTENTION,))
-    assert attention.unavailable("fused", torch.device("cpu"), 0.0) == "torch has no fused attention kernel on cpu in float32"
+    assert (
+        attention.unavailable("fused", torch.device("cpu"), 0.0)
+        == "torch has no fused attention kernel on cpu in float32"
+    )
     q = torch.zeros(1, 2, 8, 16)
     with pytest.raises(RuntimeError):
         attention._attention(attention.KERNELS["fused"], torch.nn.Module(), q, q, q, None, is_causal=True)

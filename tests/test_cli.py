@@ -139,8 +139,32 @@ def test_plot_draws_the_loss_and_throughput_of_each_run(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == f"{png}: lm loss, throughput(tps) for 2 run(s)"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    proc = run(sys.executable, "tools/plot.py", str(tmp_path / "a"), "--tags", "accuracy", "--out", str(png))
+    proc = run(sys.executable, "tools/plot.py", "--tag", "accuracy", str(tmp_path / "a"), "--out", str(png))
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == (
         "plot.py: no run has ['accuracy']; the runs have: lm loss, throughput(tps)"
     )
+
+
+@pytest.mark.parametrize("suite", ["fig7", "fig9"])
+def test_the_papers_suites_time_every_system_and_plot_them(tmp_path, suite):
+    """tools/bench_suites.py on two CPU ranks, a tiny GPT-2: a row per system (Figure 7: HF eager,
+    DeepSpeed, megatron-core's GPTModel, gpt_tp; Figure 9: the ablation), each with its step time
+    and its speed-up over the first, HF eager; the JSON, the table and the PNG."""
+    if suite == "fig9":
+        require_compiler()  # from "+ kernels" on, the layers are compiled
+    out, png = tmp_path / f"{suite}.json", tmp_path / f"{suite}.png"
+    proc = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "tools/bench_suites.py", "--suite", suite, "--iters", "3", "--warmup", "1", "--rounds", "1",
+               "--json", str(out), "--plot", str(png), "--", "--num-layers", "2", "--hidden-size", "32",
+               "--num-attention-heads", "4", "--seq-length", "16", "--global-batch-size", "8")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    from tools.bench_suites import SUITES
+
+    assert [r["system"] for r in rows] == list(SUITES[suite])
+    assert rows[0]["speedup"] == 1.0 and all(r["ranks"] == 2 and r["step_ms"] > 0 for r in rows)
+    for r in rows:
+        assert r["speedup"] == pytest.approx(rows[0]["step_ms"] / r["step_ms"])
+        assert f"| {r['system']} | 2 | {r['step_ms']:.0f} |" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

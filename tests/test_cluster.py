@@ -20,13 +20,15 @@ from tools.launch_node import expand_hostlist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "examples", "**", "*.s*"), recursive=True))  # .sh, .sbatch
 # What srun does for the sbatch scripts: one task per node (here: all on this machine), SLURM_NODEID each
+# (Its options must be one word each, --name=value, as srun reads an optional value only so.) It
+# exits with SRUN_STATUS when set: 143, as torchrun does after a SIGTERM, though its workers saved.
 FAKE_SRUN = """#!/bin/bash
-while [[ $1 == --* ]]; do shift 2; done
+while [[ $1 == --* ]]; do echo "$1" >> "$SRUN_LOG"; shift; done
 pids=()
 for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do SLURM_NODEID=$node "$@" & pids+=($!); done
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
-exit $status
+exit ${SRUN_STATUS:-$status}
 """
 FAKE_SCONTROL = '#!/bin/bash\necho "$@" >> "$SCONTROL_LOG"\n'
 
@@ -85,16 +87,19 @@ def test_two_nodes_on_loopback_train_as_one_node_through_a_requeue(tmp_path):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     slurm = _env(SLURM_JOB_NODELIST="node[1-2]", SLURM_JOB_NUM_NODES="2", SLURM_JOB_ID="77",
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), GPUS_PER_NODE="1", TRAIN_ITERS="6",
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), GPUS_PER_NODE="1", SRUN_STATUS="143",
                  DATA=data.prefix, VOCAB=data.vocab_file, MERGES=data.merge_file,
                  CHECKPOINT_DIR=str(tmp_path / "ckpt"), TENSORBOARD_DIR=str(tmp_path / "tb-nodes"),
-                 SCONTROL_LOG=str(tmp_path / "scontrol.log"), PATH=f"{bin_dir}:{os.environ['PATH']}")  # fmt: skip
+                 SCONTROL_LOG=str(tmp_path / "scontrol.log"), SRUN_LOG=str(tmp_path / "srun.log"),
+                 PATH=f"{bin_dir}:{os.environ['PATH']}")  # fmt: skip
     sbatch = ["bash", "examples/slurm/pretrain_gpt.sbatch", *tiny, "--train-iters", "6", "--exit-interval", "3"]
     for submission in ("first", "requeued"):  # SLURM runs the same script again after a requeue
         proc = subprocess.run(sbatch, cwd=ROOT, env=slurm, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{submission}: {proc.stdout[-3000:]}{proc.stderr[-3000:]}"
-        slurm["MASTER_PORT"] = str(_free_port())
-    assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n"  # after the stop at 3, not after 6
+        slurm["MASTER_PORT"], slurm["SRUN_STATUS"] = str(_free_port()), ""  # the second ends as it ends
+    # requeued after the stop at 3 (srun failing as after a SIGTERM), not after reaching 6
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 77\n"
+    assert (tmp_path / "srun.log").read_text().split() == ["--ntasks-per-node=1", "--kill-on-bad-exit=1"] * 2
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "6"
 
     dry = subprocess.run([*sbatch, "--dry-run"], cwd=ROOT, env=slurm, capture_output=True, text=True, check=True)

@@ -167,6 +167,24 @@ def test_chunked_cross_entropy_equals_torch(monkeypatch, dtype):
     assert ours[3] == ours[5] == 0 and not ours_grad[3].any() and not ours_grad[5].any()
 
 
+def test_the_compiled_one_pass_equals_the_eager_one():
+    """What a GPU runs (inductor's one kernel, here on this CPU) against the eager pass: loss parts
+    and gradient, with ignored and out-of-vocabulary targets and a one-row chunk."""
+    require_compiler()
+    compiled = torch.compile(cross_entropy._loss_parts_and_grad_fusable)
+    logits = (torch.randn(9, 100, generator=torch.Generator().manual_seed(0)) * 4).bfloat16()
+    target = torch.randint(0, 100, (9,), generator=torch.Generator().manual_seed(1))
+    target[2], target[5], target[7] = -100, -1, 105
+    inside = (target >= 0) & (target < 100)
+    local = target.masked_fill(~inside, 0)
+    for rows in (slice(0, 8), slice(8, 9)):  # a full chunk, then the last one of one row
+        ours = compiled(logits[rows], local[rows], inside[rows])
+        eager = cross_entropy._loss_parts_and_grad(logits[rows], local[rows], inside[rows])
+        for got, want in zip(ours, eager, strict=True):
+            assert got.dtype == want.dtype
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-6, atol=1e-6)
+
+
 def _loss_and_grad(fn, logits: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = logits.detach().clone().requires_grad_()
     loss = fn(x)

@@ -20,7 +20,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 {
     date -u +"%F %T UTC"
-    echo "git $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
+    echo "git $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff HEAD --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
     python3 -c "import sys, torch, transformers; print('python', sys.version.split()[0], '| torch', torch.__version__,
 '| transformers', transformers.__version__, '| cuda', torch.version.cuda, '|', torch.cuda.get_device_name())"

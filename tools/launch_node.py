@@ -5,9 +5,10 @@
 
 Each node runs ``torchrun --nnodes N --node_rank R --nproc_per_node G --master_addr A --master_port P``
 with the same entry script and arguments: N and the hosts come from ``SLURM_JOB_NODELIST`` (expanded
-as ``scontrol show hostnames`` does), R from ``SLURM_NODEID``, A is the first host. The port is
-``MASTER_PORT`` if set, else one derived from ``SLURM_JOB_ID``, so that two jobs sharing a node
-do not collide. ``MASTER_ADDR`` overrides the first host (a test runs every "node" on loopback).
+as ``scontrol show hostnames`` does), R from ``SLURM_NODEID`` (srun numbers the nodes in that
+order), A is the first host. The port is ``MASTER_PORT`` if set, else 29500 plus the job id modulo
+1000, so that jobs sharing a first node rarely collide (set ``MASTER_PORT`` where they would).
+``MASTER_ADDR`` overrides the first host (a test runs every "node" on loopback).
 ``--dry-run`` prints every node's command instead of running this node's.
 """
 

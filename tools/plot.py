@@ -1,9 +1,10 @@
 """TensorBoard runs as one PNG: the loss and the throughput against iterations, a line per run.
 
     python tools/plot.py runs/gpt-tp2 runs/gpt-fused --out curves.png
-    python tools/plot.py runs/* --tags "lm loss" "lm loss validation" "throughput(tps)" --out curves.png
+    python tools/plot.py runs/* --tag "lm loss" --tag "lm loss validation" --out curves.png
 
-Each argument is a run's ``--tensorboard-dir`` (its event files, a resumed run's several included).
+Each argument is a run's ``--tensorboard-dir`` (its event files, a resumed run's several included),
+labelled by its name (by its path where two runs share a name).
 The default panels are the training loss (``lm loss``, or ``loss`` for image models) and the
 throughput (``throughput(tps)``, tokens per second, or ``throughput(sps)``, samples).
 """
@@ -35,9 +36,7 @@ def panels(runs: dict[str, dict[str, dict[int, float]]], tags: list[str] | None)
         return tags
     chosen = [next((t for t in choices if t in present), None) for choices in DEFAULT_PANELS]
     if not any(chosen):
-        raise SystemExit(
-            f"plot.py: no loss or throughput in these runs; give --tags from: {', '.join(sorted(present))}"
-        )
+        raise SystemExit(f"plot.py: no loss or throughput in these runs; give --tag from: {', '.join(sorted(present))}")
     return [t for t in chosen if t]
 
 
@@ -62,15 +61,19 @@ def plot(runs: dict[str, dict[str, dict[int, float]]], tags: list[str], out: str
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="TensorBoard directories (--tensorboard-dir of each run)")
-    p.add_argument("--tags", nargs="+", help="scalar tags, one panel each (default: the loss and the throughput)")
+    p.add_argument("--tag", action="append", dest="tags", help="a scalar tag, one panel each; repeat it "
+                   "(default: the loss and the throughput)")  # fmt: skip
     p.add_argument("--out", required=True, help="the PNG to write")
     a = p.parse_args(argv)
+    names = [os.path.basename(os.path.normpath(run)) for run in a.runs]
+    if len(set(names)) < len(names):  # runs/a/tb and runs/b/tb: their paths tell them apart
+        names = [os.path.normpath(run) for run in a.runs]
     runs = {}
-    for run in a.runs:
+    for name, run in zip(names, a.runs, strict=True):
         scalars = read_scalars(run)
         if not scalars:
             raise SystemExit(f"plot.py: {run} holds no TensorBoard scalars")
-        runs[os.path.basename(os.path.normpath(run))] = scalars
+        runs[name] = scalars
     tags = panels(runs, a.tags)
     plot(runs, tags, a.out)
     print(f"{a.out}: {', '.join(tags)} for {len(runs)} run(s)")

@@ -1,18 +1,40 @@
 # Shared by the sbatch scripts beside it, which set JOB_NAME, NODES, GPUS_PER_NODE, TIME_LIMIT_MIN,
-# TRAIN_ITERS, ENTRY and ARGS, then call run_job "$@". Submit from the repository root:
+# ENTRY and ARGS, then call run_job "$@" (extra arguments go to the trainer and override ARGS).
+# Submit from the repository root:
 #
 #     sbatch examples/slurm/pretrain_gpt.sbatch
 #     bash examples/slurm/pretrain_gpt.sbatch --dry-run   # each node's torchrun command; runs nothing
 #
 # One torchrun per node (srun + tools/launch_node.py: rendezvous on the job's first node). TensorBoard
 # goes to runs/<job name>-<job id>, checkpoints to checkpoints/<job name>, with --save and --load, so a
-# requeued job resumes from the latest checkpoint. The trainers save and stop EXIT_MARGIN_MIN minutes
-# before the time limit (--exit-duration-in-mins) and on SIGTERM (--exit-signal-handler: SLURM's
-# pre-emption, or --signal); a run that stopped before TRAIN_ITERS is requeued. torchrun gives its
-# workers 30 s after a SIGTERM of its own, so the time limit, not the signal, is the safe way to stop
-# a run whose checkpoint takes longer to write (checkpoints are atomic: an interrupted one leaves the
-# previous one as latest).
+# requeued job resumes from the latest checkpoint.
+#
+# Stopping and requeueing: the trainers save and stop EXIT_MARGIN_MIN minutes before the job's end
+# (--exit-duration-in-mins, from SLURM_JOB_END_TIME where Slurm sets it, else TIME_LIMIT_MIN) and on
+# SIGTERM (--exit-signal-handler: pre-emption, or #SBATCH --signal). A job whose checkpoint advanced
+# but did not reach --train-iters requeues itself; one that made no progress ends with srun's status.
+# torchrun gives its workers 30 s after a SIGTERM of its own, so the time limit, not the signal, is
+# the safe way to stop a run whose checkpoint takes longer to write (checkpoints are atomic: an
+# interrupted one leaves the previous one as latest).
+#
 # Environment: PYTHON (default python3), CHECKPOINT_DIR, TENSORBOARD_DIR, EXIT_MARGIN_MIN (default 10).
+
+# The value of the last "--flag VALUE" in the arguments (argparse's last one wins), or $2 if none.
+last_value() {
+    local flag=$1 value=$2
+    shift 2
+    while (($#)); do
+        if [[ $1 == "$flag" && $# -gt 1 ]]; then value=$2; fi
+        shift
+    done
+    echo "$value"
+}
+
+latest_iteration() {
+    local value
+    value=$(cat "$1/latest_checkpointed_iteration.txt" 2>/dev/null || true)
+    [[ $value =~ ^[0-9]+$ ]] && echo "$value" || echo 0
+}
 
 run_job() {
     local dry_run=0 extra=() arg
@@ -22,19 +44,24 @@ run_job() {
     local name=${SLURM_JOB_NAME:-$JOB_NAME}
     local ckpt=${CHECKPOINT_DIR:-checkpoints/$name}
     local tb=${TENSORBOARD_DIR:-runs/$name-${SLURM_JOB_ID:-dry-run}}
-    local exit_minutes=$((TIME_LIMIT_MIN - ${EXIT_MARGIN_MIN:-10}))
+    local minutes=$TIME_LIMIT_MIN
+    if [[ -n ${SLURM_JOB_END_TIME:-} ]]; then minutes=$(((SLURM_JOB_END_TIME - $(date +%s)) / 60)); fi
     local args=("${ARGS[@]}" --save "$ckpt" --load "$ckpt" --tensorboard-dir "$tb" --exit-signal-handler
-                --exit-duration-in-mins "$exit_minutes" "${extra[@]}")
+                --exit-duration-in-mins "$((minutes - ${EXIT_MARGIN_MIN:-10}))" ${extra[@]+"${extra[@]}"})
     local launch=("${PYTHON:-python3}" tools/launch_node.py --nproc-per-node "$GPUS_PER_NODE")
     if ((dry_run)); then
         SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST:-node[1-$NODES]} "${launch[@]}" --dry-run -- "$ENTRY" "${args[@]}"
         return
     fi
-    srun --ntasks-per-node 1 --kill-on-bad-exit 1 "${launch[@]}" -- "$ENTRY" "${args[@]}" || return
-    local latest
-    latest=$(cat "$ckpt/latest_checkpointed_iteration.txt" 2>/dev/null || echo 0)
-    if [[ $latest =~ ^[0-9]+$ ]] && ((latest < TRAIN_ITERS)); then
-        echo "stopped at iteration $latest of $TRAIN_ITERS: requeueing job $SLURM_JOB_ID to resume from it"
+    local before after status=0 target
+    before=$(latest_iteration "$ckpt")
+    srun --ntasks-per-node=1 --kill-on-bad-exit=1 "${launch[@]}" -- "$ENTRY" "${args[@]}" || status=$?
+    after=$(latest_iteration "$ckpt")
+    target=$(last_value --train-iters 0 "${args[@]}")
+    if ((after > before && after < target)); then
+        echo "stopped at iteration $after of $target: requeueing job $SLURM_JOB_ID to resume from it"
         scontrol requeue "$SLURM_JOB_ID"
+        return 0
     fi
+    return "$status"
 }

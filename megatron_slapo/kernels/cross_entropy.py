@@ -9,13 +9,17 @@ its own, and the forward leaves behind only ``softmax - one_hot(target)``, the g
 respect to the logits up to the per-token factor that arrives in the backward; it is stored in the
 logits' dtype, so nothing of fp32 size ``b x s x V`` is ever allocated.
 
-Vocabulary-parallel logits (``V/t`` columns per rank) take the same two all-reduces as
-megatron-core's: the per-token maximum, then the target logits and sums of exponentials together.
+Where the whole vocabulary is on this rank, a chunk takes one pass: maximum, target logit, sum of
+exponentials and gradient together (on a GPU compiled into one kernel, in chunks of 512 MiB).
+Vocabulary-parallel logits (``V/t`` columns per rank) take three passes around the same two
+all-reduces as megatron-core's: the per-token maximum, then the target logits and sums of
+exponentials together.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,35 +27,55 @@ import torch.distributed as dist
 from megatron_slapo.parallel.collectives import Group, group_size
 from megatron_slapo.primitives.compile import compiler_problem
 
-CHUNK_BYTES = 32 * 2**20  # fp32 bytes of one chunk of logits on a CPU: small enough to stay in the way of nothing
-CUDA_CHUNK_BYTES = 512 * 2**20  # on a GPU: few enough chunks that kernel launches do not dominate
+CHUNK_BYTES = 32 * 2**20  # fp32 bytes of one chunk of logits, eager: small enough to stay in the way of nothing
+COMPILED_CHUNK_BYTES = 512 * 2**20  # compiled (no fp32 chunk is allocated): few chunks, few kernel launches
 
 
-def chunks(rows: int, columns: int, device: torch.device | None = None) -> list[slice]:
-    """Row slices of a ``rows x columns`` fp32 matrix, each about :data:`CHUNK_BYTES` (on a GPU
-    :data:`CUDA_CHUNK_BYTES`)."""
-    limit = CUDA_CHUNK_BYTES if device is not None and device.type == "cuda" else CHUNK_BYTES
-    step = max(1, limit // (4 * columns))
+def chunks(rows: int, columns: int, limit: int | None = None) -> list[slice]:
+    """Row slices of a ``rows x columns`` fp32 matrix, each about ``limit`` bytes (:data:`CHUNK_BYTES`)."""
+    step = max(1, (limit or CHUNK_BYTES) // (4 * columns))
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def _shift(logits: torch.Tensor, local: torch.Tensor, inside: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunk in fp32 less each row's maximum, and the target's entry of it (0 where the target
+    is not in these columns)."""
+    x = logits.float()
+    x = x - x.amax(dim=-1, keepdim=True)
+    return x, x.gather(1, local[:, None]).squeeze(1).masked_fill(~inside, 0.0)
 
 
 def _loss_parts_and_grad(logits: torch.Tensor, local: torch.Tensor, inside: torch.Tensor):
     """One chunk of whole-vocabulary logits in one pass: the target's shifted logit, the sum of
-    exponentials, and ``softmax - one_hot`` in the logits' dtype (computed in fp32)."""
-    x = logits.float() - logits.float().amax(dim=-1, keepdim=True)  # a new fp32 chunk, then in place
-    target_logit = x.gather(1, local[:, None]).squeeze(1).masked_fill(~inside, 0.0)
+    exponentials, and ``softmax - one_hot`` in the logits' dtype (computed in fp32). Eager: in
+    place on one fp32 copy of the chunk."""
+    x, target_logit = _shift(logits, local, inside)
     sum_exp = x.exp_().sum(dim=-1)
     x.div_(sum_exp[:, None]).scatter_add_(1, local[:, None], -inside[:, None].float())
     return target_logit, sum_exp, x.to(logits.dtype)
 
 
+def _loss_parts_and_grad_fusable(logits: torch.Tensor, local: torch.Tensor, inside: torch.Tensor):
+    """:func:`_loss_parts_and_grad` as inductor fuses it into one kernel that reads the chunk and
+    writes the gradient in the logits' dtype, no fp32 chunk in memory (an in-place scatter would
+    stay a kernel of its own on an fp32 buffer). Slow eager: compile it."""
+    x, target_logit = _shift(logits, local, inside)
+    e = x.exp()
+    sum_exp = e.sum(dim=-1)
+    p = e / sum_exp[:, None]
+    target = (torch.arange(logits.size(1), device=logits.device) == local[:, None]) & inside[:, None]
+    return target_logit, sum_exp, torch.where(target, p - 1, p).to(logits.dtype)
+
+
 @functools.cache
-def _one_pass(device_type: str):
-    """:func:`_loss_parts_and_grad`, compiled on a GPU where inductor builds (one read of the logits
-    and one write of the gradient, instead of a kernel per step of the maths); eager elsewhere."""
+def _one_pass(device_type: str) -> tuple[Callable, int | None]:
+    """The one-pass function for a device and its chunk size: compiled on a GPU where inductor
+    builds (a kernel per step of the maths, hundreds a step, cost more there than the maths);
+    eager, in place, elsewhere. The number of rows may change (the last chunk, evaluation):
+    torch.compile's automatic dynamic shapes then recompile once with the rows symbolic."""
     if device_type == "cuda" and compiler_problem() is None:
-        return torch.compile(_loss_parts_and_grad, dynamic=True)
-    return _loss_parts_and_grad
+        return torch.compile(_loss_parts_and_grad_fusable), COMPILED_CHUNK_BYTES
+    return _loss_parts_and_grad, None  # None: CHUNK_BYTES
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -59,20 +83,19 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group: Group, ignore_index: int,
                 vocab_start: int) -> torch.Tensor:  # fmt: skip
         rows, columns = logits.shape
-        parts = chunks(rows, columns, logits.device)
         distributed = group_size(group) > 1
         local = target - vocab_start
         inside = (local >= 0) & (local < columns)
         local = local.masked_fill(~inside, 0)
         valid = (target != ignore_index) & (target >= 0) & (target < columns * group_size(group))
         if not distributed and ctx.needs_input_grad[0]:  # the whole vocabulary here: one pass a chunk
+            one_pass, limit = _one_pass(logits.device.type)
             grad, sums = torch.empty_like(logits), torch.empty(2, rows, dtype=torch.float32, device=logits.device)
-            for part in parts:
-                sums[0, part], sums[1, part], grad[part] = _one_pass(logits.device.type)(
-                    logits[part], local[part], inside[part]
-                )
+            for part in chunks(rows, columns, limit):
+                sums[0, part], sums[1, part], grad[part] = one_pass(logits[part], local[part], inside[part])
             ctx.save_for_backward(grad, valid)
             return (sums[1].log() - sums[0]).masked_fill(~valid, 0.0)
+        parts = chunks(rows, columns)
         logits_max = torch.empty(rows, dtype=torch.float32, device=logits.device)
         for part in parts:
             logits_max[part] = logits[part].float().amax(dim=-1)
