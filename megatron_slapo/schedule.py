@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_slapo.errors import SchedulingError
+from megatron_slapo.explain import explain
 from megatron_slapo.metadata import Metadata
 from megatron_slapo.parallel.collectives import group_rank, group_size
 from megatron_slapo.parallel.state import default_group
@@ -129,6 +130,11 @@ class Schedule(
         yield prefix, self
         for name, child in self.child.items():
             yield from child.named_schedules(f"{prefix}.{name}" if prefix else name)
+
+    def explain(self) -> str:
+        """What the primitives did to this module and those below it, a line a module (see
+        :mod:`megatron_slapo.explain`): ``print(sch.explain())``."""
+        return explain(self)
 
     def _unknown_path_message(self, path: str) -> str:
         known = [p for p, _ in self.named_schedules() if p]

@@ -88,3 +88,22 @@ def test_auto_honours_the_styles_of_nine_in_ten_plan_entries_transformers_ships(
     trained = {style for family in TRAINED for style in styles(family)}
     assert trained - set(STYLES) == {"embedding_rowwise"}  # the input embedding's, vocabulary-parallel anyway
     assert set(STYLES) <= trained
+
+
+def test_explain_lists_what_each_module_received_once_per_kind_of_layer():
+    """Schedule.explain(): a line per module a primitive touched, layers alike folded into one line
+    with their number, a layer unlike the others on its own; nothing applied says so."""
+    model = transformers.GPT2LMHeadModel(tiny_gpt2_config(n_layer=3))
+    sch = ms.create_schedule(model)
+    assert sch.explain().splitlines()[1] == "(no primitive applied)"
+    sch["transformer.h.0"].checkpoint()
+    for layer in range(3):
+        sch[f"transformer.h.{layer}.mlp.c_fc"].shard("weight", axis=1)
+        sch[f"transformer.h.{layer}.mlp.c_fc"].sync("bwd_post", "all_reduce")
+    params = sum(p.numel() for p in model.parameters())
+    assert sch.explain().splitlines() == [
+        f"GPT2LMHeadModel: tensor-parallel rank 0 of 1; parameters here {params:,} of {params:,} (100%)",
+        "transformer.h.0                checkpoint",
+        "transformer.h.*.mlp.c_fc (x3)  column-parallel; shard weight axis 1: (32, 128) -> (32, 128); sync "
+        "bwd_post all_reduce",
+    ]

@@ -136,3 +136,26 @@ def test_checkpointed_blocks_replay_dropout_under_tp(group, rank, world):
         loss.backward()
         results.append([loss, *(p.grad for p in model.parameters())])
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_explain_shows_each_ranks_shards_and_collectives(group, rank):
+    """Schedule.explain() at TP2: this rank's half of each split tensor, the collectives, and this
+    rank's share of the parameters (the layer norms and position table stay whole on every rank)."""
+    cfg = tiny_gpt2_config()  # vocabulary 128, width 32, 2 layers, 4 heads
+    sch = ms.create_schedule(transformers.GPT2LMHeadModel(cfg), group)
+    gpt_tp.apply(sch, cfg)
+    lines = sch.explain().splitlines()
+    whole = sum(p.numel() for p in transformers.GPT2LMHeadModel(cfg).parameters())
+    local = sum(p.numel() for p in sch.mod.parameters())
+    assert lines[0] == (f"GPT2LMHeadModel: tensor-parallel rank {rank} of 2; parameters here {local:,} of "
+                        f"{whole:,} ({local / whole:.0%})")  # fmt: skip
+    assert local < whole * 0.6
+    rows = dict(line.split("  ", 1) for line in lines[1:])
+    assert rows["transformer.h.*.attn.c_attn (x2)"].strip() == (
+        "column-parallel; shard bias axis 0, stride 3: (96,) -> (48,); shard weight axis 1, stride 3: (32, 96) -> "
+        "(32, 48); sync bwd_post all_reduce"
+    )
+    assert rows["transformer.h.*.mlp.c_proj (x2)"].strip() == (
+        "row-parallel; shard weight axis 0: (128, 32) -> (64, 32); sync fwd_post all_reduce"
+    )
+    assert rows["transformer.wte"].strip().startswith("vocab-parallel; shard weight axis 0: (128, 32) -> (64, 32)")

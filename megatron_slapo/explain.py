@@ -1,0 +1,73 @@
+"""``Schedule.explain()``: what a schedule did to its model, module by module, as text.
+
+One line per module that a primitive touched: its tensor-parallel role, each sharded tensor (axis,
+stride, whole shape -> this rank's), the collectives it inserts, recompute, the model-parallel RNG
+stream, compilation, tracing, a pipeline cut, a kernel swapped in. Layers that received the same
+primitives are one line, their index written ``*`` and their number after it. The first line sums this rank's
+parameters against the unsharded model's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from megatron_slapo.schedule import Schedule
+
+PACKAGE = __name__.split(".")[0]
+
+
+def _op_name(op: str | Callable[..., Any]) -> str:
+    return op if isinstance(op, str) else getattr(op, "__name__", type(op).__name__)
+
+
+def applied(node: Schedule) -> list[str]:
+    """What the primitives recorded on ``node``, in words (empty when nothing was applied)."""
+    meta, items = node.metadata, []
+    if type(node.mod).__module__.startswith(f"{PACKAGE}."):  # a kernel or replacement of ours
+        items.append(f"is {type(node.mod).__name__}")
+    if meta.role is not None:
+        items.append(f"{meta.role.value}-parallel")
+    for name, spec in sorted(meta.shards.items()):
+        local = tuple(getattr(node.mod, name).shape)
+        stride = f", stride {spec.stride}" if spec.stride > 1 else ""
+        tied = "" if spec.explicit else " (tied)"
+        items.append(f"shard {name} axis {spec.axis}{stride}: {tuple(spec.full_shape)} -> {local}{tied}")
+    items += sorted(f"sync {mode} {_op_name(op)}" for mode, op in meta.syncs)
+    flags = (("checkpoint", meta.checkpointed), ("fork_rng", meta.forked_rng), ("trace", meta.traced),
+             ("cut_pipeline_stage", meta.pipeline_cut))  # fmt: skip
+    items += [word for word, on in flags if on]
+    if meta.compiled:
+        items.append(f"compile({meta.compiled})")
+    if meta.sequence_split:
+        items.append(f"sequence parallel: {meta.sequence_split}")
+    return items
+
+
+def explain(sch: Schedule) -> str:
+    """The report described in the module docstring."""
+    groups: dict[tuple[str, str], list[str]] = {}  # (path with layer indices as *, what) -> paths
+    for path, node in sch.named_schedules():
+        items = applied(node)
+        if items:
+            key = (re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path), "; ".join(items))
+            groups.setdefault(key, []).append(path or "<root>")
+    lines = {(paths[0] if len(paths) == 1 else f"{pattern} (x{len(paths)})", what): None
+             for (pattern, what), paths in groups.items()}  # fmt: skip
+    local = sum(p.numel() for p in sch.mod.parameters())
+    sharded = {}  # tensor id -> (whole, local) elements: a tied tensor once, as parameters() counts it
+    for _, node in sch.named_schedules():
+        for name, spec in node.metadata.shards.items():
+            if name not in node.mod._parameters:  # a buffer (BatchNorm's statistics): not a parameter
+                continue
+            tensor = getattr(node.mod, name)
+            sharded[id(tensor)] = (spec.full_shape.numel(), tensor.numel())
+    whole = local + sum(full - here for full, here in sharded.values())
+    head = (f"{type(sch.mod).__name__}: tensor-parallel rank {sch.rank} of {sch.world_size}; parameters here "
+            f"{local:,} of {whole:,} ({local / max(whole, 1):.0%})")  # fmt: skip
+    if not lines:
+        return f"{head}\n(no primitive applied)"
+    width = max(len(path) for path, _ in lines)
+    return "\n".join([head, *(f"{path:<{width}}  {what}" for path, what in lines)])
