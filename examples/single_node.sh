@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z ${GPUS:-} ]]; then
     if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
-        GPUS=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -c .)
+        GPUS=$(tr ',' '\n' <<<"$CUDA_VISIBLE_DEVICES" | grep -cvE '^(|-1|NoDevFiles)$' || true)
     else
         GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
     fi

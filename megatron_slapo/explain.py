@@ -2,7 +2,7 @@
 
 One line per module that a primitive touched: its tensor-parallel role, each sharded tensor (axis,
 stride, whole shape -> this rank's), the collectives it inserts, recompute, the model-parallel RNG
-stream, compilation, tracing, a pipeline cut, a kernel swapped in. Layers that received the same
+stream, compilation, tracing, a pipeline cut, a module replaced (a kernel swapped in). Layers that received the same
 primitives are one line, their index written ``*`` and their number after it. The first line sums this rank's
 parameters against the unsharded model's.
 """
@@ -16,9 +16,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
 
-PACKAGE = __name__.split(".")[0]
-
-
 def _op_name(op: str | Callable[..., Any]) -> str:
     return op if isinstance(op, str) else getattr(op, "__name__", type(op).__name__)
 
@@ -26,8 +23,8 @@ def _op_name(op: str | Callable[..., Any]) -> str:
 def applied(node: Schedule) -> list[str]:
     """What the primitives recorded on ``node``, in words (empty when nothing was applied)."""
     meta, items = node.metadata, []
-    if type(node.mod).__module__.startswith(f"{PACKAGE}."):  # a kernel or replacement of ours
-        items.append(f"is {type(node.mod).__name__}")
+    if meta.replaced:
+        items.append(f"replaced {meta.replaced} by {type(node.mod).__name__}")
     if meta.role is not None:
         items.append(f"{meta.role.value}-parallel")
     for name, spec in sorted(meta.shards.items()):

@@ -159,9 +159,11 @@ def test_the_papers_suites_time_every_system_and_plot_them(tmp_path, suite):
                "--json", str(out), "--plot", str(png), "--", "--num-layers", "2", "--hidden-size", "32",
                "--num-attention-heads", "4", "--seq-length", "16", "--global-batch-size", "8")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    data = json.loads(out.read_text())
+    rows = data["results"]
     from tools.bench_suites import SUITES
 
+    assert data["run"]["device"].startswith("CPU") and "bench_suites.py --suite" in data["run"]["command"]
     assert [r["system"] for r in rows] == list(SUITES[suite])
     assert rows[0]["speedup"] == 1.0 and all(r["ranks"] == 2 and r["step_ms"] > 0 for r in rows)
     for r in rows:

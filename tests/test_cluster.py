@@ -9,6 +9,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -33,8 +34,13 @@ exit ${SRUN_STATUS:-$status}
 FAKE_SCONTROL = '#!/bin/bash\necho "$@" >> "$SCONTROL_LOG"\n'
 
 
+READ_BY_THE_SCRIPTS = {"GPUS", "TP", "GPUS_PER_NODE", "CHECKPOINT_DIR", "TENSORBOARD_DIR", "EXIT_MARGIN_MIN",
+                      "MAX_REQUEUES", "DATA", "VOCAB", "MERGES", "CUDA_VISIBLE_DEVICES"}  # fmt: skip
+
+
 def _env(**extra: str) -> dict[str, str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_"))}
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith(("SLURM_", "MASTER_")) and k not in READ_BY_THE_SCRIPTS}  # fmt: skip
     return {**base, "PYTHON": sys.executable, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", **extra}
 
 
@@ -68,6 +74,22 @@ def test_dry_run_prints_each_nodes_torchrun_command(task):
         assert args.save == args.load and args.save.startswith("checkpoints/")
         assert args.tensorboard_dir == f"runs/{os.path.basename(args.save)}-4321"
         assert args.exit_signal_handler and args.exit_duration_in_mins == 230
+
+
+def _bash(snippet: str, **env: str) -> str:
+    """``snippet`` run with examples/slurm/common.sh's functions."""
+    script = f"set -euo pipefail; source examples/slurm/common.sh; {snippet}"
+    return subprocess.run(["bash", "-c", script], cwd=ROOT, env=_env(PATH=os.environ["PATH"], **env),
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+
+
+def test_the_job_reads_the_trainers_last_flags_and_the_time_left():
+    assert _bash("last_value --train-iters 0 --train-iters 5 --lr 1 --train-iters=9") == "9"
+    assert _bash("last_value --save ckpt --lr 1") == "ckpt"
+    end = str(int(time.time()) + 3600 + 30)
+    assert _bash("minutes_left", SLURM_JOB_END_TIME=end, TIME_LIMIT_MIN="240") == "60"
+    assert _bash("squeue() { echo 1-02:03:04; }; minutes_left", SLURM_JOB_ID="5", TIME_LIMIT_MIN="240") == "1563"
+    assert _bash("squeue() { echo UNLIMITED; }; minutes_left", SLURM_JOB_ID="5", TIME_LIMIT_MIN="240") == "240"
 
 
 def _free_port() -> int:

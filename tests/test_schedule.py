@@ -97,6 +97,7 @@ def test_explain_lists_what_each_module_received_once_per_kind_of_layer():
     sch = ms.create_schedule(model)
     assert sch.explain().splitlines()[1] == "(no primitive applied)"
     sch["transformer.h.0"].checkpoint()
+    sch["transformer.h.2.mlp.act"].replace(nn.GELU(approximate="tanh"))
     for layer in range(3):
         sch[f"transformer.h.{layer}.mlp.c_fc"].shard("weight", axis=1)
         sch[f"transformer.h.{layer}.mlp.c_fc"].sync("bwd_post", "all_reduce")
@@ -106,4 +107,5 @@ def test_explain_lists_what_each_module_received_once_per_kind_of_layer():
         "transformer.h.0                checkpoint",
         "transformer.h.*.mlp.c_fc (x3)  column-parallel; shard weight axis 1: (32, 128) -> (32, 128); sync "
         "bwd_post all_reduce",
+        "transformer.h.2.mlp.act        replaced NewGELUActivation by GELU",
     ]

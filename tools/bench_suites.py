@@ -14,10 +14,11 @@ the first system (HF eager). Figure 7's systems:
 - HF eager: the model as HF gives it, data-parallel (DDP).
 - DeepSpeed ZeRO-3: the same model handed to DeepSpeed, as its users would out of the box.
 - megatron-core GPTModel: Megatron's own GPT of the same size (local layers, no Transformer
-  Engine), TP over every rank, with torch's AdamW; random tokens of the same shape.
+  Engine), TP over every rank, with torch's AdamW and the trainer's gradient clipping; random tokens
+  of the same shape; a step timed as the slowest rank's, around forward, backward and the update.
 - gpt_tp (+ SP): the schedule, on megatron-core's engine.
 
-Figure 9 adds, in turn: the kernels (``gpt_fused``: one-kernel GeLU, every layer compiled), a
+Figure 9 (every step on ``--engine ddp``) adds, in turn: the kernels (``gpt_fused``: one-kernel GeLU, every layer compiled), a
 recompute ratio of 0.5, attention and MLP tensor parallelism (gpt_tp's plan without its embedding
 and head entries), the vocabulary-parallel embedding and head (all of gpt_tp), sequence parallelism.
 """
@@ -28,6 +29,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,8 +45,9 @@ from megatron_slapo import parallel  # noqa: E402
 from megatron_slapo.parallel.sequence import plan_schedule  # noqa: E402
 from megatron_slapo.training.arguments import parse_args, validate_args  # noqa: E402
 from megatron_slapo.training.loop import _language_task, pretrain  # noqa: E402
+from megatron_slapo.training.optimizer import global_norm  # noqa: E402
 from schedules import SCHEDULES, gpt_tp  # noqa: E402
-from tests.utils import tb_scalars  # noqa: E402
+from tools.plot import read_scalars  # noqa: E402
 
 SIZE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
         "--micro-batch-size", "4", "--global-batch-size", "16"]  # fmt: skip
@@ -54,6 +57,7 @@ SIZE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8
 LAYERS_ONLY = "gpt_tp, layers only"
 
 TP = ["--tensor-model-parallel-size", "{world}"]
+DDP = ["--engine", "ddp"]  # Figure 9 keeps one engine: each step adds one optimisation only
 SUITES = {  # system -> trainer flags ("mcore": megatron-core's own GPTModel)
     "fig7": {
         "HF eager (DDP)": ["--engine", "ddp", "--schedule", "default"],
@@ -66,9 +70,9 @@ SUITES = {  # system -> trainer flags ("mcore": megatron-core's own GPTModel)
         "HF eager (DDP)": ["--engine", "ddp", "--schedule", "default"],
         "+ kernels": ["--engine", "ddp", "--schedule", "gpt_fused"],
         "+ recompute ratio 0.5": ["--engine", "ddp", "--schedule", "gpt_fused", "--checkpoint-ratio", "0.5"],
-        "+ attention/MLP TP": ["--schedule", LAYERS_ONLY, *TP, "--compile", "--checkpoint-ratio", "0.5"],
-        "+ embedding TP": ["--schedule", "gpt_tp", *TP, "--compile", "--checkpoint-ratio", "0.5"],
-        "+ SP": ["--schedule", "gpt_tp", *TP, "--compile", "--checkpoint-ratio", "0.5", "--sequence-parallel"],
+        "+ attention/MLP TP": [*DDP, "--schedule", LAYERS_ONLY, *TP, "--compile", "--checkpoint-ratio", "0.5"],
+        "+ embedding TP": [*DDP, "--schedule", "gpt_tp", *TP, "--compile", "--checkpoint-ratio", "0.5"],
+        "+ SP": [*DDP, "--schedule", "gpt_tp", *TP, "--compile", "--checkpoint-ratio", "0.5", "--sequence-parallel"],
     },
 }
 
@@ -82,7 +86,7 @@ def trainer_step_seconds(flags: list[str], common: list[str], iters: int, warmup
         argv = [*common, *flags, "--train-iters", str(iters), "--log-interval", str(iters), "--eval-iters", "0"]
         pretrain("gpt", [*argv, "--tensorboard-dir", box[0]])
         last = dist.get_world_size() - 1
-        times = [tb_scalars(box[0], "iteration-time") if dist.get_rank() == last else None]
+        times = [read_scalars(box[0])["iteration-time"] if dist.get_rank() == last else None]
         dist.broadcast_object_list(times, src=last)
         dist.barrier()  # the last rank has read the files before rank 0 removes the directory
     return statistics.median(v for step, v in times[0].items() if step > warmup)
@@ -110,7 +114,8 @@ def mcore_step_seconds(common: list[str], iters: int, warmup: int) -> float:
     vocab = hf.vocab_size
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=vocab,
                      max_sequence_length=args.seq_length).to(device)  # fmt: skip
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=args.weight_decay)
     seq, micro = args.seq_length, args.micro_batch_size
     positions = torch.arange(seq, device=device).expand(micro, seq)
     mask = torch.ones(1, 1, seq, seq, dtype=torch.bool, device=device).triu(1)  # True: masked out
@@ -118,34 +123,46 @@ def mcore_step_seconds(common: list[str], iters: int, warmup: int) -> float:
     for step in range(iters):
         generator = torch.Generator().manual_seed(step)  # the same tokens on every rank
         batches = torch.randint(0, vocab, (args.global_batch_size // micro, micro, seq + 1), generator=generator)
+        batches = batches.to(device)
         dist.barrier()
         start = time.perf_counter()
-        for tokens in batches.to(device):
+        for tokens in batches:
             model(tokens[:, :-1], positions, mask, labels=tokens[:, 1:]).mean().backward()
+        # as the trainer: the gradient norm over the TP group (one all-reduce), clipped to --clip-grad
+        norm = global_norm(params, parallel.tensor_parallel_group())
+        if args.clip_grad and norm > args.clip_grad:
+            torch._foreach_mul_([p.grad for p in params], args.clip_grad / norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        elapsed = torch.tensor(time.perf_counter() - start)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's, as a step waits for it
+        times.append(float(elapsed))
     return statistics.median(times[warmup:])
 
 
 def run_suite(suite: str, common: list[str], iters: int, warmup: int, rounds: int) -> list[dict]:
     """Every system of ``suite`` ``rounds`` times in turn; a row per system (median step time)."""
+    vocabulary = ("transformer.wte", "lm_head")
+    assert all(k in gpt_tp.PLAN for k in vocabulary), "gpt_tp's plan renamed its embedding or head"
     SCHEDULES[LAYERS_ONLY] = types.SimpleNamespace(
         MODEL_TYPES=gpt_tp.MODEL_TYPES,
         __doc__="gpt_tp without its embedding and head entries (tools/bench_suites.py)",
-        apply=plan_schedule({k: v for k, v in gpt_tp.PLAN.items() if k not in ("transformer.wte", "lm_head")}),
+        apply=plan_schedule({k: v for k, v in gpt_tp.PLAN.items() if k not in vocabulary}),
     )
     world = dist.get_world_size()
     seconds: dict[str, list[float]] = {name: [] for name in SUITES[suite]}
-    for _ in range(rounds):
-        for name, flags in SUITES[suite].items():
-            if flags == "mcore":
-                seconds[name].append(mcore_step_seconds(common, iters, warmup))
-            else:
-                flags = [f.format(world=world) for f in flags]
-                seconds[name].append(trainer_step_seconds(flags, common, iters, warmup))
+    try:
+        for _ in range(rounds):
+            for name, flags in SUITES[suite].items():
+                if flags == "mcore":
+                    seconds[name].append(mcore_step_seconds(common, iters, warmup))
+                else:
+                    flags = [f.format(world=world) for f in flags]
+                    seconds[name].append(trainer_step_seconds(flags, common, iters, warmup))
+    finally:
+        del SCHEDULES[LAYERS_ONLY]
     args = parse_args("gpt", common)
     tokens = args.global_batch_size * args.seq_length
     base = statistics.median(next(iter(seconds.values())))
@@ -203,7 +220,11 @@ def main() -> None:
                  f"{dist.get_world_size()} ranks on {device}")  # fmt: skip
         print(f"\ntools/bench_suites.py --suite {a.suite}; {title}\n\n{table(results)}")
         if a.json:
-            Path(a.json).write_text(json.dumps(results, indent=1))
+            revision = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                      cwd=Path(__file__).resolve().parents[1]).stdout.strip()  # fmt: skip
+            run = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   "device": device, "torch": torch.__version__, "commit": revision or None, "model": title}  # fmt: skip
+            Path(a.json).write_text(json.dumps({"run": run, "results": results}, indent=1))
         if a.plot:
             plot(results, a.plot, title)
 

@@ -10,30 +10,58 @@
 # requeued job resumes from the latest checkpoint.
 #
 # Stopping and requeueing: the trainers save and stop EXIT_MARGIN_MIN minutes before the job's end
-# (--exit-duration-in-mins, from SLURM_JOB_END_TIME where Slurm sets it, else TIME_LIMIT_MIN) and on
-# SIGTERM (--exit-signal-handler: pre-emption, or #SBATCH --signal). A job whose checkpoint advanced
-# but did not reach --train-iters requeues itself; one that made no progress ends with srun's status.
+# (--exit-duration-in-mins, from SLURM_JOB_END_TIME or squeue's time left, else TIME_LIMIT_MIN) and on
+# SIGTERM to the job steps (--exit-signal-handler; #SBATCH --signal). A job whose checkpoint advanced
+# but did not reach --train-iters requeues itself (at most MAX_REQUEUES times, default 50; never
+# with --finetune, which restarts from iteration 0); one that made no progress ends with srun's
+# status. scancel, or a pre-emption that signals the batch script, ends the script itself: no
+# self-requeue then (Slurm requeues a pre-empted job itself under PreemptMode=REQUEUE).
 # torchrun gives its workers 30 s after a SIGTERM of its own, so the time limit, not the signal, is
 # the safe way to stop a run whose checkpoint takes longer to write (checkpoints are atomic: an
 # interrupted one leaves the previous one as latest).
 #
-# Environment: PYTHON (default python3), CHECKPOINT_DIR, TENSORBOARD_DIR, EXIT_MARGIN_MIN (default 10).
+# Environment: PYTHON (default python3), CHECKPOINT_DIR, TENSORBOARD_DIR, EXIT_MARGIN_MIN (default 10),
+# MAX_REQUEUES (default 50).
 
-# The value of the last "--flag VALUE" in the arguments (argparse's last one wins), or $2 if none.
+# The value of the last "--flag VALUE" or "--flag=VALUE" in the arguments (argparse's last one
+# wins), or $2 if there is none.
 last_value() {
     local flag=$1 value=$2
     shift 2
     while (($#)); do
-        if [[ $1 == "$flag" && $# -gt 1 ]]; then value=$2; fi
+        if [[ $1 == "$flag" && $# -gt 1 ]]; then value=$2; elif [[ $1 == "$flag="* ]]; then value=${1#*=}; fi
         shift
     done
     echo "$value"
 }
 
+has_flag() {
+    local flag=$1 arg
+    shift
+    for arg in "$@"; do [[ $arg == "$flag" ]] && return 0; done
+    return 1
+}
+
 latest_iteration() {
     local value
-    value=$(cat "$1/latest_checkpointed_iteration.txt" 2>/dev/null || true)
-    [[ $value =~ ^[0-9]+$ ]] && echo "$value" || echo 0
+    value=$(tr -d '[:space:]' <"$1/latest_checkpointed_iteration.txt" 2>/dev/null || true)
+    [[ $value =~ ^[0-9]+$ ]] && echo "$value" || echo 0  # none yet, or "release"
+}
+
+# Whole minutes until the job's end: Slurm's end time (23.02+), else squeue's time left, else
+# TIME_LIMIT_MIN (the script's own --time).
+minutes_left() {
+    if [[ -n ${SLURM_JOB_END_TIME:-} ]]; then
+        echo $(((SLURM_JOB_END_TIME - $(date +%s)) / 60))
+        return
+    fi
+    local left
+    left=$(squeue -h -j "${SLURM_JOB_ID:-0}" -o %L 2>/dev/null || true)
+    if [[ $left =~ ^(([0-9]+)-)?(([0-9]+):)?([0-9]+):([0-9]+)$ ]]; then
+        echo $((10#${BASH_REMATCH[2]:-0} * 1440 + 10#${BASH_REMATCH[4]:-0} * 60 + 10#${BASH_REMATCH[5]}))
+    else
+        echo "$TIME_LIMIT_MIN"
+    fi
 }
 
 run_job() {
@@ -44,10 +72,14 @@ run_job() {
     local name=${SLURM_JOB_NAME:-$JOB_NAME}
     local ckpt=${CHECKPOINT_DIR:-checkpoints/$name}
     local tb=${TENSORBOARD_DIR:-runs/$name-${SLURM_JOB_ID:-dry-run}}
-    local minutes=$TIME_LIMIT_MIN
-    if [[ -n ${SLURM_JOB_END_TIME:-} ]]; then minutes=$(((SLURM_JOB_END_TIME - $(date +%s)) / 60)); fi
+    local exit_minutes=$(($(minutes_left) - ${EXIT_MARGIN_MIN:-10}))
+    if ((exit_minutes < 1)); then
+        echo "warning: the job ends in under ${EXIT_MARGIN_MIN:-10} minutes; the trainers stop after 1" >&2
+        exit_minutes=1
+    fi
     local args=("${ARGS[@]}" --save "$ckpt" --load "$ckpt" --tensorboard-dir "$tb" --exit-signal-handler
-                --exit-duration-in-mins "$((minutes - ${EXIT_MARGIN_MIN:-10}))" ${extra[@]+"${extra[@]}"})
+                --exit-duration-in-mins "$exit_minutes" ${extra[@]+"${extra[@]}"})
+    ckpt=$(last_value --save "$ckpt" "${args[@]}")  # the trainer's, should the extra arguments give one
     local launch=("${PYTHON:-python3}" tools/launch_node.py --nproc-per-node "$GPUS_PER_NODE")
     if ((dry_run)); then
         SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST:-node[1-$NODES]} "${launch[@]}" --dry-run -- "$ENTRY" "${args[@]}"
@@ -59,9 +91,16 @@ run_job() {
     after=$(latest_iteration "$ckpt")
     target=$(last_value --train-iters 0 "${args[@]}")
     if ((after > before && after < target)); then
-        echo "stopped at iteration $after of $target: requeueing job $SLURM_JOB_ID to resume from it"
-        scontrol requeue "$SLURM_JOB_ID"
-        return 0
+        if has_flag --finetune "${args[@]}"; then
+            echo "stopped at iteration $after of $target; not requeued: --finetune would restart from 0" \
+                "(resubmit without it to resume)"
+        elif ((${SLURM_RESTART_COUNT:-0} >= ${MAX_REQUEUES:-50})); then
+            echo "stopped at iteration $after of $target; not requeued: requeued ${SLURM_RESTART_COUNT} times already"
+        else
+            echo "stopped at iteration $after of $target: requeueing job $SLURM_JOB_ID to resume from it"
+            scontrol requeue "$SLURM_JOB_ID"
+            return 0
+        fi
     fi
     return "$status"
 }

@@ -37,34 +37,29 @@ def chunks(rows: int, columns: int, limit: int | None = None) -> list[slice]:
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
 
 
-def _shift(logits: torch.Tensor, local: torch.Tensor, inside: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunk in fp32 less each row's maximum, and the target's entry of it (0 where the target
-    is not in these columns)."""
+def _loss_and_grad(logits: torch.Tensor, local: torch.Tensor, inside: torch.Tensor):
+    """One chunk of whole-vocabulary logits in one pass: each row's loss (the target's; 0's where
+    the target is not in these columns, masked by the caller) and ``softmax - one_hot`` in the
+    logits' dtype, computed in fp32. Eager: in place on one fp32 copy of the chunk."""
     x = logits.float()
     x = x - x.amax(dim=-1, keepdim=True)
-    return x, x.gather(1, local[:, None]).squeeze(1).masked_fill(~inside, 0.0)
-
-
-def _loss_parts_and_grad(logits: torch.Tensor, local: torch.Tensor, inside: torch.Tensor):
-    """One chunk of whole-vocabulary logits in one pass: the target's shifted logit, the sum of
-    exponentials, and ``softmax - one_hot`` in the logits' dtype (computed in fp32). Eager: in
-    place on one fp32 copy of the chunk."""
-    x, target_logit = _shift(logits, local, inside)
+    target_logit = x.gather(1, local[:, None]).squeeze(1).masked_fill(~inside, 0.0)
     sum_exp = x.exp_().sum(dim=-1)
     x.div_(sum_exp[:, None]).scatter_add_(1, local[:, None], -inside[:, None].float())
-    return target_logit, sum_exp, x.to(logits.dtype)
+    return sum_exp.log() - target_logit, x.to(logits.dtype)
 
 
-def _loss_parts_and_grad_fusable(logits: torch.Tensor, local: torch.Tensor, inside: torch.Tensor):
-    """:func:`_loss_parts_and_grad` as inductor fuses it into one kernel that reads the chunk and
-    writes the gradient in the logits' dtype, no fp32 chunk in memory (an in-place scatter would
-    stay a kernel of its own on an fp32 buffer). Slow eager: compile it."""
-    x, target_logit = _shift(logits, local, inside)
-    e = x.exp()
-    sum_exp = e.sum(dim=-1)
-    p = e / sum_exp[:, None]
+def _loss_and_grad_fusable(logits: torch.Tensor, local: torch.Tensor, inside: torch.Tensor):
+    """:func:`_loss_and_grad` in the form inductor compiles to one kernel that reads the chunk and
+    writes the gradient in the logits' dtype, with fp32 buffers of one value a row only: the
+    softmax from the log-sum-exp (not exponentials kept for a division), the one-hot by comparison
+    (an in-place scatter would stay a kernel of its own on an fp32 chunk). Slow eager: compile it."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1)
+    target_logit = x.gather(1, local[:, None]).squeeze(1).masked_fill(~inside, 0.0)
+    p = (x - lse[:, None]).exp()
     target = (torch.arange(logits.size(1), device=logits.device) == local[:, None]) & inside[:, None]
-    return target_logit, sum_exp, torch.where(target, p - 1, p).to(logits.dtype)
+    return lse - target_logit, torch.where(target, p - 1, p).to(logits.dtype)
 
 
 @functools.cache
@@ -74,8 +69,8 @@ def _one_pass(device_type: str) -> tuple[Callable, int | None]:
     eager, in place, elsewhere. The number of rows may change (the last chunk, evaluation):
     torch.compile's automatic dynamic shapes then recompile once with the rows symbolic."""
     if device_type == "cuda" and compiler_problem() is None:
-        return torch.compile(_loss_parts_and_grad_fusable), COMPILED_CHUNK_BYTES
-    return _loss_parts_and_grad, None  # None: CHUNK_BYTES
+        return torch.compile(_loss_and_grad_fusable), COMPILED_CHUNK_BYTES
+    return _loss_and_grad, None  # None: CHUNK_BYTES
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -90,11 +85,11 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         valid = (target != ignore_index) & (target >= 0) & (target < columns * group_size(group))
         if not distributed and ctx.needs_input_grad[0]:  # the whole vocabulary here: one pass a chunk
             one_pass, limit = _one_pass(logits.device.type)
-            grad, sums = torch.empty_like(logits), torch.empty(2, rows, dtype=torch.float32, device=logits.device)
+            grad, loss = torch.empty_like(logits), torch.empty(rows, dtype=torch.float32, device=logits.device)
             for part in chunks(rows, columns, limit):
-                sums[0, part], sums[1, part], grad[part] = one_pass(logits[part], local[part], inside[part])
+                loss[part], grad[part] = one_pass(logits[part], local[part], inside[part])
             ctx.save_for_backward(grad, valid)
-            return (sums[1].log() - sums[0]).masked_fill(~valid, 0.0)
+            return loss.masked_fill_(~valid, 0.0)
         parts = chunks(rows, columns)
         logits_max = torch.empty(rows, dtype=torch.float32, device=logits.device)
         for part in parts:

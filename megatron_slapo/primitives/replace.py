@@ -140,6 +140,7 @@ class ReplaceMixin:
         new_module.train(old.training)
         setattr(self.parent.mod, self.name, new_module)
         self.mod = new_module
+        self.metadata.replaced = self.metadata.replaced or type(old).__name__  # the original, if replaced twice
         self._adopt_children()
 
     def _replace_subgraphs(self: Schedule, callee: Any, target_ops: Any, name: str | None) -> None:
