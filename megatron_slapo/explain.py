@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
 
+
 def _op_name(op: str | Callable[..., Any]) -> str:
     return op if isinstance(op, str) else getattr(op, "__name__", type(op).__name__)
 
