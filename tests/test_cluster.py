@@ -137,3 +137,46 @@ def test_two_nodes_on_loopback_train_as_one_node_through_a_requeue(tmp_path):
     assert sorted(nodes) == sorted(one) == list(range(1, 7))
     for step in one:
         assert abs(nodes[step] - one[step]) <= 1e-6, (step, nodes[step], one[step])
+
+
+FAKE_PROGRESS_SRUN = """#!/bin/bash
+mkdir -p "$CKPT" && echo "$REACHED" > "$CKPT/latest_checkpointed_iteration.txt"
+exit "$SRUN_STATUS"
+"""
+
+
+@pytest.mark.parametrize(
+    "reached, status, extra, expect_requeue, expect_exit, said",
+    [
+        pytest.param("30", "143", [], True, 0, "requeueing job 9", id="stopped-by-sigterm-short-of-target"),
+        pytest.param("100", "0", [], False, 0, "", id="reached-the-target"),
+        pytest.param("10", "1", [], False, 1, "", id="failed-without-progress"),
+        pytest.param("30", "0", ["--finetune"], False, 0, "--finetune would restart", id="finetune-never-requeued"),
+        pytest.param("30", "0", ["RESTARTS"], False, 0, "requeued 50 times", id="requeued-too-often"),
+    ],
+)  # fmt: skip
+def test_the_job_requeues_only_a_run_that_advanced_short_of_its_target(tmp_path, reached, status, extra,
+                                                                       expect_requeue, expect_exit, said):  # fmt: skip
+    """The requeue rule of examples/slurm/common.sh, with a stand-in srun that only moves the
+    checkpoint tracker (from 10) and exits with a given status."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("10\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_PROGRESS_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    restarts = {"SLURM_RESTART_COUNT": "50"} if "RESTARTS" in extra else {}
+    env = _env(SLURM_JOB_NODELIST="node[1-2]", SLURM_JOB_ID="9", CHECKPOINT_DIR=str(ckpt), CKPT=str(ckpt),
+               REACHED=reached, SRUN_STATUS=status, SCONTROL_LOG=str(tmp_path / "scontrol.log"),
+               PATH=f"{bin_dir}:{os.environ['PATH']}", **restarts)  # fmt: skip
+    flags = [f for f in extra if f != "RESTARTS"]
+    proc = subprocess.run(["bash", "examples/slurm/pretrain_gpt.sbatch", "--train-iters", "100", *flags], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == expect_exit, proc.stdout + proc.stderr
+    requeued = (tmp_path / "scontrol.log").exists()
+    assert requeued == expect_requeue, proc.stdout
+    assert said in proc.stdout and ("stopped at" in proc.stdout) == bool(said), proc.stdout
+    if requeued:
+        assert (tmp_path / "scontrol.log").read_text() == "requeue 9\n"
