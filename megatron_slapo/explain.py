@@ -52,8 +52,8 @@ def explain(sch: Schedule) -> str:
         if items:
             key = (re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path), "; ".join(items))
             groups.setdefault(key, []).append(path or "<root>")
-    lines = {(paths[0] if len(paths) == 1 else f"{pattern} (x{len(paths)})", what): None
-             for (pattern, what), paths in groups.items()}  # fmt: skip
+    lines = [(paths[0] if len(paths) == 1 else f"{pattern} (x{len(paths)})", what)
+             for (pattern, what), paths in groups.items()]  # fmt: skip
     local = sum(p.numel() for p in sch.mod.parameters())
     sharded = {}  # tensor id -> (whole, local) elements: a tied tensor once, as parameters() counts it
     for _, node in sch.named_schedules():

@@ -6,6 +6,7 @@ import transformers
 from torch import nn
 
 import megatron_slapo as ms
+from megatron_slapo.parallel.state import default_group
 from megatron_slapo.primitives import registry
 from tests.utils import tiny_gpt2_config
 
@@ -26,7 +27,8 @@ def test_one_node_per_submodule_with_paths(gpt2):
     assert sch["transformer.h"][1] is sch["transformer.h.1"]  # ModuleList children by index
     assert mlp["c_fc"] is sch["transformer.h.1.mlp.c_fc"]
     assert "transformer.h.0.attn" in sch and "transformer.h.7" not in sch
-    assert sch[""] is sch and sch.group is None and sch.world_size == 1
+    # the default group: none in a fresh process; whatever an earlier in-process run left initialised
+    assert sch[""] is sch and sch.group is default_group() and sch.world_size == 1
 
 
 def test_unknown_path_names_the_closest_ones(gpt2):

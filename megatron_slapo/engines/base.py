@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_slapo.parallel.collectives import Group, group_size
+from megatron_slapo.training.optimizer import half_precision
 
 Batch = dict[str, torch.Tensor]
 Loss = tuple[torch.Tensor, dict[str, torch.Tensor]]  # (scalar loss to differentiate, metrics to log)
@@ -130,7 +131,7 @@ def tensor_bytes(tensors: list[torch.Tensor]) -> int:
 def autocast(args: argparse.Namespace, device: torch.device) -> contextlib.AbstractContextManager:
     """Megatron's ``--bf16``/``--fp16`` as autocast around the forward: fp32 master weights, matmuls
     in the low precision; a no-op in fp32."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+    dtype = half_precision(args)
     return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
 

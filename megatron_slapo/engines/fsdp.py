@@ -36,7 +36,7 @@ from megatron_slapo.engines.local_step import LocalStep
 from megatron_slapo.errors import CheckpointError
 from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parallel_grads, group_rank, group_size
 from megatron_slapo.training.model import transformer_layers
-from megatron_slapo.training.optimizer import global_norm, local_part
+from megatron_slapo.training.optimizer import global_norm, half_precision, local_part
 
 FILES = "fsdp"
 
@@ -60,7 +60,7 @@ class FSDPEngine:
         self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
         self.device = next(model.parameters()).device
         tags = _parallel_tags(model)  # fully_shard replaces the parameters: keep the tags
-        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+        dtype = half_precision(args)
         # torch compares meshes by ranks and names, not by process group, and DTensor caches specs by
         # that equality: a mesh over the same ranks from an earlier initialisation (whose groups are
         # destroyed since) would be reused. The group's own name in the dimension name keeps them apart.

@@ -52,7 +52,7 @@ from megatron_slapo.errors import CheckpointError
 from megatron_slapo.parallel import cpu_compat
 from megatron_slapo.parallel.collectives import Group, all_reduce_flat, comm_device, group_size
 from megatron_slapo.pipeline import PipelineStages
-from megatron_slapo.training.optimizer import build_scheduler
+from megatron_slapo.training.optimizer import build_scheduler, half_precision
 
 PARAMETER_STATE = "distrib_optim.pt"  # Megatron-LM's file for the distributed optimizer's shards
 # Not actionable here: a default of TransformerConfig, and the missing apex (see the README's notes).
@@ -83,7 +83,7 @@ class MegatronEngine:
         total = len(model.stages) if isinstance(model, PipelineStages) else 1
         self.device = next(stages[0][1].parameters()).device
         # weights and pipeline messages
-        self.dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+        self.dtype = half_precision(args) or torch.float32
         self.grads_in_fp32 = (args.accumulate_allreduce_grads_in_fp32 or not args.fp16) and not args.grad_reduce_in_bf16
         with cpu_compat.device_mode():
             self.config = self._transformer_config(total)

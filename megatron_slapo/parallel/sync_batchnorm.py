@@ -50,13 +50,14 @@ class GroupBatchNorm2d(nn.BatchNorm2d):
         dims, shape = (0, 2, 3), (1, -1, 1, 1)
         local = x.numel() // x.size(1)
         count = local * group_size(group)
-        # one all-reduce of every part's sum and sum of squares (from its own mean: less cancellation);
-        # every rank's loss depends on every part through them, so the backward all-reduces too
+        # one all-reduce of every part's sum and sum of squares (the latter as its centred sum plus
+        # local * mean^2, so the variance is E[x^2] - mean^2, clamped at 0 against rounding); every
+        # rank's loss depends on every part through them, so the backward all-reduces too
         local_mean = x.mean(dims)
         moments = torch.cat([local * local_mean, (x - local_mean.view(shape)).square().sum(dims)
                              + local * local_mean.square()])  # fmt: skip
         sums, squares = (reduce_forward(reduce_backward(moments, group), group) / count).chunk(2)
-        mean, var = sums, squares - sums.square()
+        mean, var = sums, (squares - sums.square()).clamp_min(0)
         centred = x - mean.view(shape)
         if self.training and self.track_running_stats:
             self._update_running(mean.detach(), var.detach() * count / max(count - 1, 1))

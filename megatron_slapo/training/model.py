@@ -20,6 +20,7 @@ from torch import nn
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels import attention
 from megatron_slapo.models.wideresnet import WideResNetConfig
+from megatron_slapo.training.optimizer import half_precision
 from schedules import default_for
 
 # --model-type -> HF config class (the model class follows from the task, see auto_class)
@@ -308,7 +309,7 @@ def check_attention_backend(args: argparse.Namespace) -> None:
     """ConfigError, before anything is built, when the --attention-backend kernel cannot train here."""
     if getattr(args, "attention_backend", None) in attention.KERNELS:  # image models have no attention
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32  # the attention's inputs
+        dtype = half_precision(args) or torch.float32  # the attention's inputs
         problem = attention.unavailable(args.attention_backend, device, args.attention_dropout, dtype)
         if problem:
             raise ConfigError(f"--attention-backend {args.attention_backend}: {problem}; use --attention-backend "

@@ -13,6 +13,11 @@ from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from megatron_slapo.parallel.collectives import Group, group_rank, group_size
 
 
+def half_precision(args: argparse.Namespace) -> torch.dtype | None:
+    """The dtype of ``--bf16``/``--fp16``, or None in fp32."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+
+
 def param_groups(model: nn.Module) -> list[dict]:
     """Weight decay on matrices only; biases and norm weights (1-D) are not decayed (Megatron)."""
     decay, no_decay = [], []

@@ -207,6 +207,14 @@ def test_hf_export_of_a_tp2_checkpoint_reproduces_the_logits(shared_tmp, cache, 
         assert max_diff(exported(ids).logits, logits) < 1e-5
 
 
+def _trained_statistics(model):
+    """``model`` after one training-mode forward: BatchNorm running statistics that are not the
+    initial zeros and ones, so that a misplaced shard of them shows in a round trip."""
+    with torch.no_grad():
+        model.train()(torch.randn(4, 3, 12, 12, generator=torch.Generator().manual_seed(0)))
+    return model
+
+
 HF_MODELS = {  # case -> (schedule, a model to convert)
     "gpt_tp": ("gpt_tp", lambda: transformers.GPT2LMHeadModel(
         transformers.GPT2Config(vocab_size=1000, n_positions=32, n_embd=32, n_layer=2, n_head=4))),
@@ -221,7 +229,7 @@ HF_MODELS = {  # case -> (schedule, a model to convert)
     "bert_tp-roberta": ("bert_tp", tiny_roberta),
     "bert_tp-albert": ("bert_tp", tiny_albert),
     "t5_tp": ("t5_tp", lambda: tiny_t5(gated=True)),  # untied head, wi_0 | wi_1
-    "wideresnet_tp": ("wideresnet_tp", tiny_wideresnet),  # BatchNorm buffers split too
+    "wideresnet_tp": ("wideresnet_tp", lambda: _trained_statistics(tiny_wideresnet())),  # BatchNorm buffers split too
 }  # fmt: skip
 
 
