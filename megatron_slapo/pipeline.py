@@ -58,15 +58,21 @@ class PipelineStages(nn.Module):
         interleaving: with ``V`` stages per rank, virtual stage ``v`` of rank ``r`` is stage ``v * P + r``)."""
         return [(k, stage) for k, stage in enumerate(self.stages) if k % pp_size == pp_rank]
 
+    def later_inputs(self, *args: Any, **kwargs: Any) -> tuple:
+        """What every stage after the first takes before the values crossing its cut: with
+        ``recompute_inputs``, the model's inputs in the order of stage 0's placeholders (without
+        the traced-in constants, which stage 0's guard checked); else nothing."""
+        if not self.plan.recompute_inputs:
+            return ()
+        signature = inspect.signature(self.stages[0].forward)
+        traced = {k: v for k, v in kwargs.items() if k in signature.parameters}
+        bound = signature.bind(*args, **traced)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         values = self.stages[0](*args, **kwargs)
-        inputs: tuple = ()
-        if self.plan.recompute_inputs:  # the model's inputs, in the order of stage 0's placeholders
-            signature = inspect.signature(self.stages[0].forward)  # without the traced-in constants,
-            traced = {k: v for k, v in kwargs.items() if k in signature.parameters}  # stage 0's guard checked
-            bound = signature.bind(*args, **traced)
-            bound.apply_defaults()
-            inputs = tuple(bound.arguments.values())
+        inputs = self.later_inputs(*args, **kwargs)
         for stage in self.stages[1:]:
             values = stage(*inputs, *values)
         return values

@@ -1,6 +1,6 @@
 """The parallel runtime: process groups, autograd collectives, RNG streams, vocabulary parallelism."""
 
 from megatron_slapo.parallel.random import get_rng_tracker, seed
-from megatron_slapo.parallel.state import default_group, destroy, initialize, tensor_parallel_group
+from megatron_slapo.parallel.state import default_group, destroy, initialize, simulate, tensor_parallel_group
 
-__all__ = ["initialize", "destroy", "default_group", "tensor_parallel_group", "get_rng_tracker", "seed"]
+__all__ = ["initialize", "simulate", "destroy", "default_group", "tensor_parallel_group", "get_rng_tracker", "seed"]

@@ -72,8 +72,17 @@ def _check_divisible(x: torch.Tensor, dim: int, world: int) -> None:
         raise ValueError(f"dimension {dim} of size {x.size(dim)} is not divisible by the group size {world}")
 
 
+def _sends(x: torch.Tensor, group: Group) -> bool:
+    """Whether a collective on ``x`` is called. Not over one rank, and not on meta tensors (tracing
+    only needs the right shape), except over torch's fake process group: there a meta pass plans a
+    run (``parallel.simulate``), and the calls, which move nothing, are what ``--log-comm`` counts."""
+    if group_size(group) == 1:
+        return False
+    return not x.is_meta or dist.get_backend(group) == "fake"
+
+
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
-    if group_size(group) == 1 or x.is_meta:  # meta tensors (tracing) only need the right shape
+    if not _sends(x, group):
         return x
     out = x.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(out, group=group)
@@ -86,7 +95,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         return x
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((src.size(0) * world, *src.shape[1:]))
-    if not x.is_meta:
+    if _sends(x, group):
         _all_gather_single(out, src, group=group)
     return out.movedim(0, dim).contiguous()
 
@@ -106,7 +115,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     _check_divisible(x, dim, world)
     src = x.movedim(dim, 0).contiguous()
     out = src.new_empty((src.size(0) // world, *src.shape[1:]))
-    if not x.is_meta:
+    if _sends(x, group):
         _reduce_scatter_single(out, src, group=group)
     return out.movedim(0, dim).contiguous()
 
@@ -124,7 +133,7 @@ class _ReduceForward(torch.autograd.Function):
 class _ReduceForwardInPlace(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        if group_size(group) > 1 and not x.is_meta:
+        if _sends(x, group):
             dist.all_reduce(x, group=group)
         ctx.mark_dirty(x)
         return x

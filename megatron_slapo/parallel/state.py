@@ -134,6 +134,29 @@ def initialize(
     rng.seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
 
 
+def simulate(world_size: int, rank: int, tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
+             seed: int = 1234) -> None:  # fmt: skip
+    """Lay out rank ``rank`` of ``world_size`` in this one process, as :func:`initialize` would, over
+    torch's fake process group: every group exists with its true size and this rank's place in it,
+    and every collective returns at once, moving nothing. For planning a run (``tools/explain.py``)
+    on meta tensors, whatever the cluster. megatron-core's gloo side groups are not created (the
+    fake backend cannot host them); nothing that plans uses them.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not torch.cuda.is_available():
+        from megatron_slapo.parallel import cpu_compat
+
+        cpu_compat.apply()
+    from megatron.core import parallel_state as ps
+
+    destroy()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                 pipeline_model_parallel_size=pipeline_parallel, create_gloo_process_groups=False)  # fmt: skip
+    rng.seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+
+
 def destroy() -> None:
     """Tear down megatron-core's groups and the process group (for tests and clean exits)."""
     if _megatron_initialized():

@@ -100,6 +100,26 @@ def experts_on_meta(module: torch.nn.Module) -> Iterator[None]:
             config._experts_implementation = before[key]
 
 
+@contextlib.contextmanager
+def unpacked_on_meta() -> Iterator[None]:
+    """HF's masks look for packed sequences in ``position_ids`` (positions that restart) and branch
+    on the answer, which a meta tensor cannot give. On meta, sequences are taken as unpacked: the
+    mask then has the shape it has for the trainer's batches (one sequence a row, or a 4D mask of
+    documents given explicitly, which skips the search)."""
+    from transformers import masking_utils
+
+    search = masking_utils.find_packed_sequence_indices
+
+    def unpacked_if_meta(position_ids: torch.Tensor) -> torch.Tensor | None:
+        return None if position_ids.is_meta else search(position_ids)
+
+    masking_utils.find_packed_sequence_indices = unpacked_if_meta
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = search
+
+
 def evaluate_on_meta(kind: str, target: Any, args: tuple, kwargs: dict) -> Any:
     """Evaluate a ``call_function`` / ``call_method`` node on meta tensors, real ones moved there."""
     meta_args, meta_kwargs = fx.node.map_aggregate((args, kwargs), all_metas)

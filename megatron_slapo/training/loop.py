@@ -103,10 +103,32 @@ def _split_sizes(args: argparse.Namespace) -> SplitSizes:
     return SplitSizes(args.train_iters * gbs, evaluations * args.eval_iters * gbs, args.eval_iters * gbs)
 
 
-def setup(args: argparse.Namespace) -> Run:
-    """Validate, initialise, build: everything before the first training step."""
+@dataclass
+class Plan:
+    """A run scheduled but not built (:func:`prepare`): what ``tools/explain.py`` reads, and what
+    :func:`setup` materialises."""
+
+    args: argparse.Namespace
+    task: GPTTask | BERTTask | T5Task | VisionTask
+    config: Any
+    layout: Layout
+    sch: Any  # the Schedule, on the meta device
+    stages: int  # pipeline stages (virtual ones included)
+    datasets: tuple
+    flops: float  # training FLOPs per token (per image)
+    model_class: str
+    metadata_vocab: Any
+    started: float
+
+
+def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: int | None = None) -> Plan:
+    """Validate, start the process groups, schedule the meta model: everything before materialising.
+
+    ``simulate_rank``: plan rank ``simulate_rank`` of ``world`` in this one process, over torch's
+    fake process group (its collectives move nothing), as ``tools/explain.py`` does.
+    """
     started = time.time()
-    world = int(os.environ.get("WORLD_SIZE", 1))
+    world = world or int(os.environ.get("WORLD_SIZE", 1))
     validate_args(args, world)
     check_attention_backend(args)
     if args.schedule is None and not (args.load_hf or args.hf_config):
@@ -114,8 +136,11 @@ def setup(args: argparse.Namespace) -> Run:
     if args.schedule is not None:
         get_schedule(args.schedule)  # an unknown name is refused before the process groups start
     print_arguments(args)
-    parallel.initialize(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, seed=args.seed,
-                        timeout_minutes=args.distributed_timeout_minutes)  # fmt: skip
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if simulate_rank is None:
+        parallel.initialize(tp, pp, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
+    else:
+        parallel.simulate(world, simulate_rank, tp, pp, seed=args.seed)
     layout = Layout.current()
     tp_group = parallel.tensor_parallel_group()
     chosen = args.schedule
@@ -128,16 +153,12 @@ def setup(args: argparse.Namespace) -> Run:
     schedule = get_schedule(args.schedule)
     check_fits(args.schedule, config.model_type)
     datasets = task.build_datasets(args, tokenizer, _split_sizes(args))
-    resume_path = checkpointing.checkpoint_file(args.load, layout) if args.load else None
-
     model = create_model(args, config)
     if isinstance(task, GPTTask):
         task.attention = model.config._attn_implementation  # the form of the 4D mask it takes
     if isinstance(task, VisionTask):
-        unit, per_iteration = "samples", args.global_batch_size
         flops = flops_per_image(auto_class(args), config, args.img_h, args.img_w)
     else:
-        unit, per_iteration = "tokens", args.global_batch_size * args.seq_length
         flops = flops_per_token(auto_class(args), config, args.seq_length, getattr(args, "decoder_seq_length", None))
     metadata_vocab, model_class = vocab_parameter_names(model), type(model).__name__
     sch = ms.create_schedule(model)
@@ -183,6 +204,15 @@ def setup(args: argparse.Namespace) -> Run:
         )
         print_rank_0(f" > note: --schedule {args.schedule} shards over --tensor-model-parallel-size 1, i.e. not at all; "
                      f"the {world} ranks are {ranks} ranks")  # fmt: skip
+    return Plan(args, task, config, layout, sch, stages, datasets, flops, model_class, metadata_vocab, started)
+
+
+def setup(args: argparse.Namespace) -> Run:
+    """Validate, initialise, build: everything before the first training step."""
+    plan = prepare(args)
+    args, layout, task, config, stages, sch = plan.args, plan.layout, plan.task, plan.config, plan.stages, plan.sch
+    tp_group = parallel.tensor_parallel_group()
+    resume_path = checkpointing.checkpoint_file(args.load, layout) if args.load else None
     local_stages = [k for k in range(stages) if k % layout.pp_size == layout.pp_rank]
     hook = getattr(ENGINES[args.engine], "build_hook", None)
     after_unit = hook(args, layout.dp_group, tp_group) if hook else None  # e.g. ZeRO-3 partitions as it builds
@@ -194,7 +224,7 @@ def setup(args: argparse.Namespace) -> Run:
     if layout.dp_rank == 0:
         where = f"({layout.tp_rank}, {layout.pp_rank})"
         print(f" > number of parameters on (tensor, pipeline) model parallel rank {where}: {count}", flush=True)
-    metadata = checkpointing.export_metadata(tensors, model_class, args, config, metadata_vocab)  # before wrapping
+    metadata = checkpointing.export_metadata(tensors, plan.model_class, args, config, plan.metadata_vocab)
     engine = ENGINES[args.engine](model, args, layout.dp_group, tp_group)
     log_engine_memory(engine.memory_report(), (layout.tp_rank, layout.pp_rank, layout.dp_rank))
     if args.bf16 or args.fp16:
@@ -208,8 +238,12 @@ def setup(args: argparse.Namespace) -> Run:
         print_rank_0(
             f" > WARNING: no checkpoint in {args.load} yet ({checkpointing.LATEST} not found): starting from scratch"
         )
-    reporter = Reporter(args, flops * per_iteration, per_iteration, device_peak_tflops(args.peak_tflops), unit)
-    return Run(args, task, engine, layout, resume, datasets, reporter, metadata, started)
+    if isinstance(task, VisionTask):
+        unit, per_iteration = "samples", args.global_batch_size
+    else:
+        unit, per_iteration = "tokens", args.global_batch_size * args.seq_length
+    reporter = Reporter(args, plan.flops * per_iteration, per_iteration, device_peak_tflops(args.peak_tflops), unit)
+    return Run(args, task, engine, layout, resume, plan.datasets, reporter, metadata, plan.started)
 
 
 def _vision_task(args: argparse.Namespace) -> Any:

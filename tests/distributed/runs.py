@@ -52,13 +52,18 @@ _OTHER_KERNELS = ("import runpy, sys, torch; torch.backends.mkldnn.enabled = Fal
                   "runpy.run_path(sys.argv[0], run_name='__main__')")  # fmt: skip
 
 
+def plain_env() -> dict[str, str]:
+    """This environment less torchrun's variables: for a plain process started from a rank."""
+    return {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC")}
+
+
 def single_process_losses(
     task: str, argv: list[str], tb: str, tag: str = "lm loss", other_kernels: bool = False
 ) -> dict[int, float]:
     """The same run as one plain process (no torchrun), started by rank 0: the reference layout.
     ``other_kernels``: with torch's own convolution kernels, to measure what rounding alone moves."""
     if dist.get_rank() == 0:
-        env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_ENV and not k.startswith("TORCHELASTIC")}
+        env = plain_env()
         script = os.path.join(ROOT, f"pretrain_{task}.py")
         runner = [sys.executable, "-c", _OTHER_KERNELS] if other_kernels else [sys.executable]
         cmd = [*runner, script, *argv, "--tensorboard-dir", tb]

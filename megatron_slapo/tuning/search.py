@@ -1,0 +1,205 @@
+"""The auto-tuner's search: explain every point of a :class:`~megatron_slapo.tuning.space.Space`,
+run only those that can win, keep every result, resume.
+
+Slapo's tuner ran every point. Here each point is first planned (``tools/explain.py``'s estimates,
+no training), then:
+
+1. **over the memory budget** (the estimated peak of its fullest rank): skipped, never run;
+2. **dominated**: a point that differs from another only in how it saves memory (the symbols in
+   ``savers``: recompute, ZeRO stage) and does at least its FLOPs and moves at least its traffic
+   per step, while the other fits the budget, cannot be faster; it is skipped too. Traffic is what
+   each rank sends in a ring: an all-reduce twice its payload, other collectives once;
+3. the rest run, most promising (fewest FLOPs, then least traffic) first, as short real trials; each result
+   is appended to the results file at once, so a stopped search resumes where it was, re-running
+   nothing.
+
+The best point is the fastest trial; with ``confirm`` rounds, the trials within ``margin`` of it run
+again in turn and the fastest median wins (two points whose costs tie differ only by noise). ``run`` takes a point's flags and returns a structured result
+(``step_seconds``, or ``error``); :func:`search` neither launches nor parses anything itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from megatron_slapo.tuning.space import Point, Space
+
+
+@dataclass
+class Cost:
+    """What explain says of a point: the fullest rank's peak bytes, FLOPs and ring traffic per step."""
+
+    peak: int
+    flops: float
+    traffic: float
+
+
+@dataclass
+class Candidate:
+    point: Point
+    flags: list[str]
+    cost: Cost | None = None
+    skipped: str | None = None  # why it was not run
+    result: dict[str, Any] | None = None  # the trial's (or the results file's)
+    resumed: bool = False
+    times: list[float] = field(default_factory=list)  # step seconds: the trial's, then any confirmation's
+
+    @property
+    def seconds(self) -> float | None:
+        """The median step time of its runs."""
+        return statistics.median(self.times) if self.times else None
+
+    @property
+    def per_second(self) -> float:
+        """Tokens (samples) per second at :attr:`seconds`."""
+        return self.result["per_second"] * self.result["step_seconds"] / self.seconds
+
+
+@dataclass
+class Outcome:
+    candidates: list[Candidate]
+    best: Candidate | None
+    ran: int  # trials run in this call (confirmation rounds aside)
+    resumed: int  # trial results taken from the results file
+    counts: dict[str, int] = field(default_factory=dict)  # why points were skipped -> how many
+
+
+def ring_traffic(comm: dict[str, int]) -> float:
+    """Bytes a rank sends per step in ring collectives: an all-reduce is a reduce-scatter and an
+    all-gather of its payload, so it counts twice."""
+    return sum(value * (2 if key.startswith("all_reduce") else 1) for key, value in comm.items())
+
+
+def _describe(point: Point) -> str:
+    return " ".join(f"{k}={v}" for k, v in point.items())
+
+
+def _dominated(candidates: list[Candidate], savers: tuple[str, ...]) -> None:
+    fits = [c for c in candidates if c.skipped is None and c.cost is not None]
+    for worse in fits:
+        layout = {k: v for k, v in worse.point.items() if k not in savers}
+        for better in fits:
+            if better is worse or {k: v for k, v in better.point.items() if k not in savers} != layout:
+                continue
+            a, b = better.cost, worse.cost
+            no_worse = a.flops <= b.flops and a.traffic <= b.traffic
+            if no_worse and (a.flops < b.flops or a.traffic < b.traffic):  # a tie runs both: noise decides
+                # (transitive: a dominated ``better`` has a better of its own, which dominates ``worse`` too)
+                worse.skipped = f"dominated by {_describe(better.point)}"
+                break
+
+
+class _Progress:
+    """One line per trial: a bar of trials done and left, the best so far."""
+
+    def __init__(self, total: int, stream: TextIO) -> None:
+        self.total, self.done, self.stream = total, 0, stream
+
+    def show(self, best: Candidate | None, last: Candidate) -> None:
+        self.done += 1
+        width = 20
+        filled = width * self.done // max(self.total, 1)
+        best_text = f"best {best.seconds * 1e3:.1f} ms/step ({_describe(best.point)})" if best else "no result yet"
+        last_text = f"{last.seconds * 1e3:.1f} ms" if last.seconds is not None else last.result.get("error", "failed")
+        source = " (from the results file)" if last.resumed else ""
+        self.stream.write(f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} trials, "
+                          f"{self.total - self.done} left | {_describe(last.point)}: {last_text}{source} | "
+                          f"{best_text}\n")  # fmt: skip
+        self.stream.flush()
+
+
+class _Results:
+    """The results file: one JSON line per run (a trial is round 0, a confirmation round 1, 2, ...),
+    written as each run ends, read back on resume."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path, self.known = path, {}
+        if path and os.path.exists(path):
+            with open(path) as f:
+                for line in filter(str.strip, f):
+                    row = json.loads(line)
+                    self.known[(json.dumps(row["flags"]), row.get("round", 0))] = row["result"]
+
+    def get(self, c: Candidate, round_: int, run: Callable[[list[str]], dict[str, Any]]) -> tuple[dict, bool]:
+        """The result of ``c`` in ``round_``, and whether it came from the file."""
+        key = (json.dumps(c.flags), round_)
+        if key in self.known:
+            return self.known[key], True
+        result = run(c.flags)
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"point": c.point, "flags": c.flags, "round": round_, "result": result}) + "\n")
+        return result, False
+
+
+def _confirm(contenders: list[Candidate], rounds: int, record: _Results, run: Callable, stream: TextIO) -> None:
+    """Run each contender again, in turn, ``rounds`` times: machine noise then reaches them alike,
+    and each is judged by the median of its runs."""
+    for r in range(1, rounds + 1):
+        for c in contenders:
+            result, _ = record.get(c, r, run)
+            if result.get("step_seconds") is not None:
+                c.times.append(result["step_seconds"])
+            stream.write(f"  confirming, round {r}/{rounds}: {_describe(c.point)}: median {c.seconds * 1e3:.1f} ms "
+                         f"over {len(c.times)} runs\n")  # fmt: skip
+            stream.flush()
+
+
+def search(
+    space: Space,
+    flags_of: Callable[[Point], list[str]],
+    plan: Callable[[list[str]], Cost],
+    run: Callable[[list[str]], dict[str, Any]],
+    budget: int,
+    *,
+    savers: tuple[str, ...] = ("recompute", "zero"),
+    results: str | None = None,
+    stream: TextIO = sys.stdout,
+    exhaustive: bool = False,
+    confirm: int = 0,
+    margin: float = 0.1,
+) -> Outcome:
+    """Search ``space`` as the module docstring says. ``plan`` may raise ``ValueError`` (a point
+    the trainer refuses): that point is skipped with the reason. ``exhaustive``: run every point,
+    as Slapo's tuner did (to check the pruned search against). ``confirm``: rounds in which the
+    trials within ``margin`` of the fastest run again, so that noise does not pick the winner."""
+    candidates = [Candidate(point, flags_of(point)) for point in space]
+    for c in candidates if not exhaustive else []:
+        try:
+            c.cost = plan(c.flags)
+        except ValueError as e:
+            c.skipped = f"refused: {e}"
+            continue
+        if c.cost.peak > budget:
+            c.skipped = f"over the memory budget ({c.cost.peak / 2**20:,.1f} MiB estimated)"
+    _dominated(candidates, savers)
+    chosen = [c for c in candidates if c.skipped is None]
+    if not exhaustive:
+        chosen.sort(key=lambda c: (c.cost.flops, c.cost.traffic))
+    record = _Results(results)
+    progress = _Progress(len(chosen), stream)
+    best: Candidate | None = None
+    for c in chosen:
+        c.result, c.resumed = record.get(c, 0, run)
+        if c.result.get("step_seconds") is not None:
+            c.times.append(c.result["step_seconds"])
+        if c.seconds is not None and (best is None or c.seconds < best.seconds):
+            best = c
+        progress.show(best, c)
+    contenders = [c for c in chosen if best and c.seconds is not None and c.seconds <= best.seconds * (1 + margin)]
+    if confirm and len(contenders) > 1:
+        _confirm(contenders, confirm, record, run, stream)
+        best = min(contenders, key=lambda c: c.seconds)
+    counts: dict[str, int] = {}
+    for c in candidates:
+        if c.skipped:
+            reason = c.skipped.split(" (")[0].split(" by ")[0].split(":")[0]
+            counts[reason] = counts.get(reason, 0) + 1
+    resumed = sum(c.resumed for c in chosen)
+    return Outcome(candidates, best, len(chosen) - resumed, resumed, counts)

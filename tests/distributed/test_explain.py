@@ -1,0 +1,57 @@
+"""tools/explain.py against a real step: weights, gradients, optimizer state, activations,
+collectives and FLOPs of each rank within 10% of what the trainer holds and does (measure.py).
+
+Explain plans the run in one plain process over a fake process group; the measurement trains the
+same flags on these two ranks. Every rank checks its own numbers against its pipeline stage's estimate.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed.measure import measure
+from tests.distributed.runs import ROOT, TINY, first_rank_value, plain_env
+
+TP = ["--tensor-model-parallel-size", "2"]
+CASES = {
+    "tp2": TP,
+    "tp2-sp": [*TP, "--sequence-parallel"],
+    "tp2-recompute": [*TP, "--recompute-granularity", "full", "--recompute-method", "uniform"],
+    "pp2": ["--pipeline-model-parallel-size", "2"],
+    "zero3": ["--engine", "deepspeed", "--zero-stage", "3"],
+}
+TOLERANCE = 0.10
+
+
+def _explain(argv: list[str], out: str) -> dict:
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "explain.py"), "--world-size", "2", "--json", out, *argv]
+    done = subprocess.run(cmd, env=plain_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out) as f:
+        return json.load(f)
+
+
+def _close(estimated: float, measured: float, what: str) -> None:
+    assert abs(estimated - measured) <= TOLERANCE * measured, f"{what}: explain {estimated:,}, measured {measured:,}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_explain_is_within_ten_percent_of_a_real_step(case, shared_tmp, cache):
+    argv = [*TINY, "--schedule", "gpt_tp", "--train-iters", "2", "--eval-iters", "0", "--log-comm",
+            "--data-cache-path", cache, *CASES[case]]  # fmt: skip
+    plan = first_rank_value(lambda: _explain(argv, os.path.join(shared_tmp, f"explain-{case}.json")))
+    measured = measure("gpt", argv)
+    estimated = {tuple(r["coordinates"])[1]: r for r in plan["ranks"]}[measured["coordinates"][1]]
+    for part in ("params", "grads", "optimizer"):
+        _close(estimated["memory"][part], measured["memory"][part], part)
+    assert measured["activations"] > 0 and measured["comm"]
+    _close(estimated["activations"], measured["activations"], "activation bytes per micro-batch")
+    _close(estimated["flops"], measured["flops"], "FLOPs per step")
+    total = sum(measured["comm"].values())
+    for key in sorted(set(measured["comm"]) | set(estimated["comm"])):
+        wanted = measured["comm"].get(key, 0)
+        if max(wanted, estimated["comm"].get(key, 0)) >= 0.01 * total:  # scalars (norms, metrics) aside
+            _close(estimated["comm"].get(key, 0), wanted, f"{key} bytes per step")

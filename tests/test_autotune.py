@@ -1,0 +1,166 @@
+"""The auto-tuner: its space, its search (explain prunes, trials run, results resume) and the command."""
+
+import io
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_slapo.tuning.search import Cost, ring_traffic, search
+from megatron_slapo.tuning.space import Space
+from tests.utils import tb_scalars
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_candidates_follow_earlier_choices_and_constraints_remove_points():
+    space = Space()
+    space.symbol("tp", [1, 2, 4])
+    space.symbol("sp", lambda p: [False, True] if p["tp"] > 1 else [False])
+    space.symbol("mbs", [1, 2])
+    space.constraint(lambda p: p["tp"] * p["mbs"] <= 4, "at most 4 per rank")
+    points = list(space)
+    assert points == [
+        {"tp": 1, "sp": False, "mbs": 1}, {"tp": 1, "sp": False, "mbs": 2},
+        {"tp": 2, "sp": False, "mbs": 1}, {"tp": 2, "sp": False, "mbs": 2},
+        {"tp": 2, "sp": True, "mbs": 1}, {"tp": 2, "sp": True, "mbs": 2},
+        {"tp": 4, "sp": False, "mbs": 1}, {"tp": 4, "sp": True, "mbs": 1},
+    ]  # fmt: skip
+    assert len(space) == 8 and space.names == ["tp", "sp", "mbs"]
+    assert space.rejected({"tp": 4, "sp": True, "mbs": 2}) == "at most 4 per rank"
+    with pytest.raises(ValueError, match="declared twice"):
+        space.symbol("tp", [1])
+
+
+def _toy():
+    """A space whose costs are known: recompute adds FLOPs and saves memory, ZeRO adds traffic and
+    saves memory, TP halves both; a step's time grows with FLOPs and traffic, shrinks with mbs."""
+    space = Space().symbol("tp", [1, 2]).symbol("mbs", [1, 2]).symbol("zero", [0, 1]).symbol("recompute", [0, 1])
+
+    def plan(flags):
+        p = json.loads(flags[0])
+        if p["tp"] == 2 and p["mbs"] == 1 and p["zero"] == 1 and p["recompute"] == 1:
+            raise ValueError("the trainer refuses this one")
+        flops = 100 / p["tp"] * (1.3 if p["recompute"] else 1.0)
+        traffic = 50 * (1 + p["zero"]) + 20 * (p["tp"] - 1)
+        memory = 1000 * p["mbs"] / p["tp"] / (2 if p["recompute"] else 1) / (1.5 if p["zero"] else 1)
+        return Cost(int(memory), flops, traffic)
+
+    def time_of(flags):
+        try:
+            q = plan(flags)
+        except ValueError as e:  # the trainer would refuse it too
+            return {"error": str(e)}
+        return {"step_seconds": (q.flops + q.traffic) / (1 + 0.2 * json.loads(flags[0])["mbs"])}
+
+    return space, plan, time_of
+
+
+def test_the_search_runs_fewer_trials_and_finds_the_exhaustive_best(tmp_path):
+    space, plan, time_of = _toy()
+    runs = []
+
+    def run(flags):
+        runs.append(flags)
+        return time_of(flags)
+
+    flags_of = lambda p: [json.dumps(p)]  # noqa: E731
+    budget = 700  # tp 1 at mbs 2 fits only with recompute or ZeRO
+    out = io.StringIO()
+    tuned = search(space, flags_of, plan, run, budget, results=str(tmp_path / "r.jsonl"), stream=out)
+    exhaustive = search(space, flags_of, plan, time_of, budget, exhaustive=True,
+                        stream=io.StringIO())  # fmt: skip
+    best_fitting = min((c for c in exhaustive.candidates if _fits(plan, c.flags, budget)), key=lambda c: c.seconds)
+    assert tuned.best.point == best_fitting.point
+    assert tuned.ran == len(runs) < len(exhaustive.candidates) == 16
+    over = [c for c in tuned.candidates if c.skipped and c.skipped.startswith("over the memory budget")]
+    assert over and all(c.flags not in runs for c in over)  # never run
+    dominated = [c for c in tuned.candidates if c.skipped and c.skipped.startswith("dominated")]
+    assert dominated and all(c.flags not in runs for c in dominated)
+    refused = [c for c in tuned.candidates if c.skipped and c.skipped.startswith("refused")]
+    assert [c.point for c in refused] == [{"tp": 2, "mbs": 1, "zero": 1, "recompute": 1}]
+    assert tuned.counts == {"over the memory budget": len(over), "dominated": len(dominated), "refused": 1}
+    lines = out.getvalue().splitlines()
+    assert len(lines) == tuned.ran and lines[-1].startswith(f"[{'#' * 20}] {tuned.ran}/{tuned.ran} trials, 0 left")
+    assert "best" in lines[0] and "1 left" in lines[-2]
+    # Resumed from its results file: nothing runs again, the same best
+    again = search(space, flags_of, plan, lambda f: pytest.fail("re-ran a trial"), budget,
+                   results=str(tmp_path / "r.jsonl"), stream=io.StringIO())  # fmt: skip
+    assert (again.ran, again.resumed, again.best.point) == (0, tuned.ran, tuned.best.point)
+
+
+def test_confirmation_rounds_let_the_median_decide_between_near_ties(tmp_path):
+    space = Space().symbol("x", ["a", "b", "c"])
+    cost = {"a": Cost(1, 1.0, 1.0), "b": Cost(1, 1.0, 2.0), "c": Cost(1, 2.0, 1.0)}
+    # "a" wins its trial by luck (1.00 against 1.05); its later runs say 1.20. "c" is far behind.
+    times = {"a": [1.0, 1.2, 1.2], "b": [1.05, 1.06, 1.04], "c": [3.0]}
+    calls = []
+
+    def run(flags):
+        calls.append(flags[0])
+        return {"step_seconds": times[flags[0]][calls.count(flags[0]) - 1]}
+
+    out = io.StringIO()
+    result = search(space, lambda p: [p["x"]], lambda f: cost[f[0]], run, 10, savers=(), confirm=2,
+                    results=str(tmp_path / "r.jsonl"), stream=out)  # fmt: skip
+    assert result.best.point == {"x": "b"} and result.best.seconds == 1.05
+    assert calls == ["a", "b", "c", "a", "b", "a", "b"]  # trials, then two rounds of the two within 10%
+    assert "confirming, round 2/2: x=b: median 1050.0 ms over 3 runs" in out.getvalue()
+    again = search(space, lambda p: [p["x"]], lambda f: cost[f[0]], lambda f: pytest.fail("re-ran"), 10, savers=(),
+                   confirm=2, results=str(tmp_path / "r.jsonl"), stream=io.StringIO())  # fmt: skip
+    assert again.best.point == {"x": "b"}
+
+
+def _fits(plan, flags, budget):
+    try:
+        return plan(flags).peak <= budget
+    except ValueError:
+        return False
+
+
+def test_ring_traffic_counts_an_all_reduce_twice():
+    assert ring_traffic({"all_reduce[dp]": 10, "reduce_scatter_single[dp]": 10, "all_gather_single[dp]": 10}) == 40
+
+
+def _tune(tmp_path, *extra):
+    results = tmp_path / "results.jsonl"
+    cmd = [sys.executable, "tools/autotune.py", "--nproc-per-node", "2", "--pp", "1", "--sp", "off", "--zero", "0",
+           "--micro-batch-sizes", "4", "--recompute", "none,full", "--warmup", "1", "--steps", "1", "--confirm-rounds", "0",
+           "--results", str(results), *extra, "--", "--num-layers", "2", "--hidden-size", "64",
+           "--num-attention-heads", "4", "--seq-length", "32", "--global-batch-size", "8", "--num-workers", "0",
+           "--train-iters", "2", "--eval-iters", "0", "--schedule", "gpt_tp", "--data-cache-path", str(tmp_path / "cache"),
+           "--tensorboard-dir", str(tmp_path / "tb")]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900), results
+
+
+def test_autotune_runs_trials_resumes_and_prints_a_command_that_trains(tmp_path):
+    done, results = _tune(tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    # tp 1 or 2, each with and without recompute: recompute is dominated where the layer fits
+    assert "> searching 4 configurations on 2 ranks" in lines[0]
+    summary = next(line for line in lines if line.startswith("> 2 trials of 4"))
+    assert "2 run now" in summary and "2 dominated" in summary and "all 4" in summary
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert len(rows) == 2 and all(r["result"]["step_seconds"] > 0 for r in rows)
+    assert {r["point"]["recompute"] for r in rows} == {"none"}
+    command = shlex.split(lines[-1])
+    assert command[:3] == ["torchrun", "--nproc_per_node=2", "pretrain_gpt.py"]
+    again, _ = _tune(tmp_path)
+    assert again.returncode == 0 and "0 run now, 2 from" in again.stdout, again.stdout[-2000:]
+    assert shlex.split(again.stdout.strip().splitlines()[-1]) == command
+    trained = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", *command[1:]], cwd=ROOT,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert sorted(tb_scalars(str(tmp_path / "tb"), "lm loss")) == [1, 2]  # the trials wrote no TensorBoard there
+
+
+def test_autotune_refuses_a_flag_it_chooses(tmp_path):
+    done, _ = _tune(tmp_path, "--tensor-model-parallel-size", "2")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("autotune.py: error: --tensor-model-parallel-size")

@@ -1,0 +1,50 @@
+"""tools/explain.py as a user runs it: one process plans any world size (the estimates themselves
+are checked against real steps in tests/distributed/test_explain.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--num-workers", "0", "--schedule", "gpt_tp"]  # fmt: skip
+
+
+def _explain(tmp_path, *flags):
+    cmd = [sys.executable, "tools/explain.py", *flags, *TINY, "--data-cache-path", str(tmp_path / "cache")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_explain_plans_four_ranks_in_one_process(tmp_path):
+    out = tmp_path / "plan.json"
+    done = _explain(tmp_path, "--world-size", "4", "--json", str(out), "--tensor-model-parallel-size", "2",
+                    "--pipeline-model-parallel-size", "2")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = done.stdout
+    assert "What the schedule did (rank 0):" in text and "transformer.h.1                   cut_pipeline_stage" in text
+    assert "lm_head                           column-parallel" in text
+    assert "Pipeline bubble: 20.0% of each step idle (2 pipeline ranks, 1 stage(s) each, 4 micro-batches)" in text
+    plan = json.loads(out.read_text())
+    ranks = plan["ranks"]
+    assert plan["world_size"] == 4 and [r["rank"] for r in ranks] == [0, 2]
+    assert [r["coordinates"] for r in ranks] == [[0, 0, 0], [0, 1, 0]]
+    first, last = ranks
+    assert first["in_flight"] == 2 and last["in_flight"] == 1  # 1F1B's warm-up
+    assert last["flops"] > first["flops"]  # the head and the loss are on the last stage
+    for r in ranks:
+        assert r["micro_batches"] == 4 and r["activations"] > 0
+        assert r["memory"]["optimizer"] == 2 * r["memory"]["params"]  # fp32 AdamW on megatron-core's DDP
+        assert r["comm"]["isend[pp]"] == r["comm"]["irecv[pp]"] == 4 * 2 * 32 * 64 * 4  # b s h fp32, 4 micro-batches
+        assert r["comm"]["all_reduce[embd]"] > 0 and r["comm"]["all_reduce[tp]"] > 0
+        assert r["peak"] == sum(r["memory"].values()) + r["activations"] * r["in_flight"]
+
+
+def test_explain_refuses_a_layout_the_world_cannot_hold(tmp_path):
+    done = _explain(tmp_path, "--world-size", "3", "--tensor-model-parallel-size", "2")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "explain.py: error: world size 3 is not divisible by tensor (2) x pipeline (1) parallel sizes"
+    ]

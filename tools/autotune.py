@@ -1,0 +1,193 @@
+"""Find the fastest way to train a model on this machine: TP, PP, DP, sequence parallelism, ZeRO
+stage, micro-batch size and recompute, searched with explain's estimates and short real trials.
+
+    python tools/autotune.py --nproc-per-node 2 -- --num-layers 4 --hidden-size 256 \\
+        --num-attention-heads 8 --seq-length 256 --global-batch-size 16
+    python tools/autotune.py --nproc-per-node 8 --tp 1,2,4,8 --micro-batch-sizes 1,2,4 \\
+        --memory-budget-gib 70 --results tune.jsonl -- <pretrain_gpt.py flags>
+
+The flags after ``--`` are the trainer's and stay fixed (the model, the data, the global batch);
+the tuner chooses the rest, from the candidates given (every one by default):
+
+- ``tp``: tensor-parallel sizes dividing the ranks and the attention heads;
+- ``pp``: pipeline sizes dividing the remaining ranks and the layers;
+- ``sp``: sequence parallelism, where TP > 1;
+- ``zero``: 0 megatron-core's DDP, 1 its distributed optimizer (ZeRO-1), 2 and 3 DeepSpeed's
+  ZeRO-2/3 (without a pipeline); above 0 only with data parallelism;
+- ``mbs``: micro-batch sizes dividing the global batch per data-parallel rank;
+- ``recompute``: none, selective (attention cores) or full (every layer).
+
+Each point is explained first (:mod:`megatron_slapo.training.estimate`, in this process, no
+training): points over ``--memory-budget-gib`` (default: the GPU's memory, else this machine's
+RAM shared by the ranks; 90% of it) and points dominated by a cheaper one are never run
+(:mod:`megatron_slapo.tuning.search`). The rest run as trials, one ``torchrun`` each
+(:mod:`megatron_slapo.tuning.trial`), whose JSON results go, a line each, to ``--results``
+(default ``autotune-results.jsonl``): run the same command again and it resumes. The last lines
+are the best configuration and its ``torchrun`` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import psutil
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from anywhere
+
+from megatron_slapo.errors import ConfigError  # noqa: E402
+from megatron_slapo.training import error_report  # noqa: E402
+from megatron_slapo.training.arguments import parse_args  # noqa: E402
+from megatron_slapo.tuning.search import Cost, ring_traffic, search  # noqa: E402
+from megatron_slapo.tuning.space import Point, Space  # noqa: E402
+from tools.explain import explain  # noqa: E402
+
+RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
+             "full": ["--recompute-granularity", "full", "--recompute-method", "uniform"]}  # fmt: skip
+ZERO = {0: [], 1: ["--use-distributed-optimizer"], 2: ["--engine", "deepspeed", "--zero-stage", "2"],
+        3: ["--engine", "deepspeed", "--zero-stage", "3"]}  # fmt: skip
+CHOSEN = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--sequence-parallel", "--engine",
+          "--zero-stage", "--use-distributed-optimizer", "--micro-batch-size", "--recompute-granularity",
+          "--recompute-method", "--checkpoint-ratio")  # fmt: skip
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",")]
+
+
+def gpt_space(world: int, layers: int | None, heads: int | None, global_batch: int, ask: argparse.Namespace) -> Space:
+    """The tuner's space for a decoder of ``layers`` and ``heads`` on ``world`` ranks (where the
+    flags leave them to the HF config, explain refuses what does not divide)."""
+
+    def dp(point: Point) -> int:
+        return world // (point["tp"] * point["pp"])
+
+    space = Space()
+    space.symbol("tp", [t for t in ask.tp or range(1, world + 1) if world % t == 0 and (heads or t) % t == 0])
+    space.symbol("pp", lambda p: [s for s in ask.pp or range(1, world // p["tp"] + 1)
+                                  if (world // p["tp"]) % s == 0 and (layers or s) % s == 0])  # fmt: skip
+    space.symbol("sp", lambda p: [v for v in (False, True) if v in ask.sp and (not v or p["tp"] > 1)])
+    space.symbol("zero", lambda p: [z for z in ask.zero if z == 0 or (dp(p) > 1 and (z < 2 or p["pp"] == 1))])
+    space.symbol("mbs", lambda p: [m for m in ask.micro_batch_sizes if (global_batch // dp(p)) % m == 0])
+    space.symbol("recompute", ask.recompute)
+    space.constraint(lambda p: global_batch % dp(p) == 0, "the global batch divides over the data-parallel ranks")
+    return space
+
+
+def flags_of(point: Point) -> list[str]:
+    flags = ["--tensor-model-parallel-size", str(point["tp"]), "--pipeline-model-parallel-size", str(point["pp"]),
+             "--micro-batch-size", str(point["mbs"]), *ZERO[point["zero"]], *RECOMPUTE[point["recompute"]]]  # fmt: skip
+    return [*flags, "--sequence-parallel"] if point["sp"] else flags
+
+
+def default_budget(nproc: int) -> int:
+    """90% of one GPU's memory, else of this machine's RAM shared by its ``nproc`` ranks."""
+    if torch.cuda.is_available():
+        return int(0.9 * torch.cuda.get_device_properties(0).total_memory)
+    return int(0.9 * psutil.virtual_memory().total / nproc)
+
+
+def _planner(task: str, base: list[str], world: int):
+    def plan(flags: list[str]) -> Cost:
+        estimates = explain(task, [*base, *flags], world)
+        return Cost(max(e.peak for e in estimates), max(e.flops for e in estimates),
+                    max(ring_traffic(e.comm) for e in estimates))  # fmt: skip
+
+    return plan
+
+
+def _runner(task: str, base: list[str], nproc: int, warmup: int, steps: int, timeout: int):
+    def run(flags: list[str]) -> dict:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                   "-m", "megatron_slapo.tuning.trial", "--out", out, "--task", task, "--warmup", str(warmup),
+                   "--steps", str(steps), "--", *base, *flags, "--tensorboard-dir", os.path.join(tmp, "tb")]  # fmt: skip
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+            try:
+                done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                return {"error": f"no result within --trial-timeout {timeout} s"}
+            if os.path.exists(out):
+                with open(out) as f:
+                    return json.load(f)
+            return {"error": f"the trial exited with status {done.returncode} without a result"}
+
+    return run
+
+
+def command(task: str, nproc: int, base: list[str], flags: list[str]) -> str:
+    return shlex.join(["torchrun", f"--nproc_per_node={nproc}", f"pretrain_{task}.py", *base, *flags])
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="autotune.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--task", choices=("gpt",), default="gpt")
+    p.add_argument("--nproc-per-node", type=int, default=torch.cuda.device_count() or 2)
+    p.add_argument("--tp", type=_ints)
+    p.add_argument("--pp", type=_ints)
+    p.add_argument("--sp", type=lambda t: [v == "on" for v in t.split(",")], default=[False, True], help="off,on")
+    p.add_argument("--zero", type=_ints, default=[0, 1, 2, 3])
+    p.add_argument("--micro-batch-sizes", type=_ints, default=[1, 2, 4, 8])
+    p.add_argument("--recompute", type=lambda t: t.split(","), default=list(RECOMPUTE))
+    p.add_argument("--memory-budget-gib", type=float)
+    p.add_argument("--results", default="autotune-results.jsonl")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--trial-timeout", type=int, default=600)
+    p.add_argument("--exhaustive", action="store_true", help="run every configuration (Slapo's tuner), to compare")
+    p.add_argument("--confirm-rounds", type=int, default=2,
+                   help="rounds in which the trials within 10%% of the fastest run again; the best median wins")  # fmt: skip
+    ours, base = p.parse_known_args(argv)
+    if "--" in base:  # the trainer's flags: after it (or, unknown to the tuner, before it)
+        base.remove("--")
+    world = ours.nproc_per_node
+    with error_report.user_errors("autotune.py"):
+        given = [f for f in base if f.split("=")[0] in CHOSEN]
+        if given:
+            raise ConfigError(f"{', '.join(given)}: the tuner chooses these; give the candidates instead (--help)")
+        unknown = [r for r in ours.recompute if r not in RECOMPUTE]
+        if unknown:
+            raise ConfigError(f"--recompute {','.join(unknown)}: choose from {','.join(RECOMPUTE)}")
+        trial = [*base, "--train-iters", str(ours.warmup + ours.steps), "--eval-iters", "0"]
+        args = parse_args(ours.task, trial)  # the model's shape, where the flags (or the embedded run) give it
+        space = gpt_space(world, args.num_layers, args.num_attention_heads, args.global_batch_size, ours)
+        if not len(space):
+            raise ConfigError("the space is empty: no candidate combination divides the ranks, heads, layers and batch")
+        budget = int(ours.memory_budget_gib * 2**30) if ours.memory_budget_gib else default_budget(world)
+        print(f"> searching {len(space)} configurations on {world} ranks; memory budget {budget / 2**30:.2f} GiB "
+              f"per rank; results in {ours.results}", flush=True)  # fmt: skip
+        outcome = search(space, flags_of, _planner(ours.task, trial, world),
+                         _runner(ours.task, trial, world, ours.warmup, ours.steps, ours.trial_timeout), budget,
+                         results=ours.results, exhaustive=ours.exhaustive, confirm=ours.confirm_rounds)  # fmt: skip
+    total = len(outcome.candidates)
+    skipped = ", ".join(f"{n} {why}" for why, n in sorted(outcome.counts.items()))
+    print(f"> {outcome.ran + outcome.resumed} trials of {total} configurations ({outcome.ran} run now, "
+          f"{outcome.resumed} from {ours.results}); skipped without a run: {skipped or 'none'}. "
+          f"An exhaustive search (Slapo's tuner) runs all {total}.")  # fmt: skip
+    refused = [c for c in outcome.candidates if c.skipped and c.skipped.startswith("refused")]
+    for c in refused[:5]:
+        print(f"> refused by the trainer: {' '.join(f'{k}={v}' for k, v in c.point.items())}: {c.skipped[9:]}")
+    if len(refused) > 5:
+        print(f"> ... and {len(refused) - 5} more refused")
+    if outcome.best is None:
+        print("> no configuration trained: see the errors above", file=sys.stderr)
+        sys.exit(1)
+    best = outcome.best
+    print(f"> best: {' '.join(f'{k}={v}' for k, v in best.point.items())}: {best.seconds * 1e3:.1f} ms per step, "
+          f"{best.per_second:,.0f} {best.result['unit']}/s (median of {len(best.times)} runs)")  # fmt: skip
+    print(command(ours.task, world, base, best.flags))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""What a training run will do on each rank, printed without training.
+
+    python tools/explain.py --world-size 16 --schedule gpt_tp --tensor-model-parallel-size 8 \\
+        --pipeline-model-parallel-size 2 --num-layers 24 --hidden-size 1024 ...
+    python tools/explain.py --task bert --world-size 2 --schedule bert_tp --tensor-model-parallel-size 2
+
+Every flag but the three below is ``pretrain_<task>.py``'s, checked as the trainer checks it. One
+process plans each pipeline stage's first rank over a fake process group of ``--world-size`` ranks
+(no GPU, no cluster, no weights: see :mod:`megatron_slapo.training.estimate`), and prints what the
+schedule did to each module, then per rank: weight, gradient and optimizer bytes, activation bytes
+per micro-batch (and how many micro-batches 1F1B holds at once), collective bytes per step by type
+and group, the pipeline bubble and FLOPs per step.
+
+- ``--task gpt|bert|t5|vision``: which trainer's flags (default gpt).
+- ``--world-size N``: the ranks of the run (default: ``WORLD_SIZE``, else TP x PP).
+- ``--json PATH``: the estimates as JSON too (what ``tools/autotune.py`` reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from megatron_slapo.errors import ConfigError  # noqa: E402
+from megatron_slapo.training import error_report  # noqa: E402
+from megatron_slapo.training.arguments import parse_args  # noqa: E402
+from megatron_slapo.training.estimate import RankEstimate, estimate  # noqa: E402
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def stage_ranks(argv: list[str], task: str, world: int) -> list[int]:
+    """The first rank of each pipeline stage (megatron-core's order: tensor, data, then pipeline)."""
+    args = parse_args(task, argv)
+    pp = args.pipeline_model_parallel_size
+    if world % pp:
+        raise ConfigError(f"--world-size {world} is not divisible by --pipeline-model-parallel-size {pp}")
+    return [p * (world // pp) for p in range(pp)]
+
+
+def explain(task: str, argv: list[str], world: int) -> list[RankEstimate]:
+    """The estimates of each pipeline stage's first rank (its tensor- and data-parallel peers hold alike)."""
+    return [estimate(task, argv, world, rank) for rank in stage_ranks(argv, task, world)]
+
+
+def report(estimates: list[RankEstimate], world: int) -> str:
+    first = estimates[0]
+    lines = [f"What the schedule did (rank {first.rank}):", first.schedule, "",
+             f"Per rank, of {world} (each pipeline stage's first; its tensor- and data-parallel peers hold the same):"]  # fmt: skip
+    header = ("rank", "(tp,pp,dp)", "stages", "weights", "gradients", "optimizer", "activations/micro-batch",
+              "held", "peak", "GFLOP/step")  # fmt: skip
+    rows = [header]
+    for e in estimates:
+        rows.append((str(e.rank), str(e.coordinates).replace(" ", ""), ",".join(map(str, e.stages)),
+                     _mib(e.memory["params"]), _mib(e.memory["grads"]), _mib(e.memory["optimizer"]),
+                     _mib(e.activations), f"{e.in_flight:g}", _mib(e.peak), f"{e.flops / 1e9:,.2f}"))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    for e in estimates:
+        lines.append(f"Collectives per step, rank {e.rank} ({e.micro_batches} micro-batches):")
+        lines += [f"  {key:<28} {value:>14,} B  {_mib(value)}" for key, value in e.comm.items()] or ["  none"]
+    if len(estimates) > 1 or first.bubble:
+        lines.append(f"Pipeline bubble: {first.bubble:.1%} of each step idle ({len(estimates)} pipeline ranks, "
+                     f"{len(first.stages)} stage(s) each, {first.micro_batches} micro-batches)")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--task", choices=("gpt", "bert", "t5", "vision"), default="gpt")
+    parser.add_argument("--world-size", type=int)
+    parser.add_argument("--json")
+    parser.add_argument("-h", "--help", action="store_true")
+    ours, rest = parser.parse_known_args(argv)
+    if ours.help:
+        print(__doc__)
+        return
+    with error_report.user_errors("explain.py"):
+        if ours.world_size is not None:
+            world = ours.world_size
+        elif "WORLD_SIZE" in os.environ:
+            world = int(os.environ["WORLD_SIZE"])
+        else:
+            args = parse_args(ours.task, rest)
+            world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+        if world < 1:
+            raise ConfigError(f"--world-size must be at least 1, not {world}")
+        estimates = explain(ours.task, rest, world)
+    print(report(estimates, world))
+    if ours.json:
+        rows = [{k: v for k, v in dataclasses.asdict(e).items() if k != "schedule"} | {"peak": e.peak}
+                for e in estimates]  # fmt: skip
+        Path(ours.json).write_text(json.dumps({"world_size": world, "ranks": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
