@@ -71,26 +71,50 @@ def test_the_search_runs_fewer_trials_and_finds_the_exhaustive_best(tmp_path):
     flags_of = lambda p: [json.dumps(p)]  # noqa: E731
     budget = 700  # tp 1 at mbs 2 fits only with recompute or ZeRO
     out = io.StringIO()
-    tuned = search(space, flags_of, plan, run, budget, results=str(tmp_path / "r.jsonl"), stream=out)
+    savers = ("recompute", "zero")
+    tuned = search(space, flags_of, plan, run, budget, savers=savers, results=str(tmp_path / "r.jsonl"), stream=out)
     exhaustive = search(space, flags_of, plan, time_of, budget, exhaustive=True,
                         stream=io.StringIO())  # fmt: skip
     best_fitting = min((c for c in exhaustive.candidates if _fits(plan, c.flags, budget)), key=lambda c: c.seconds)
     assert tuned.best.point == best_fitting.point
     assert tuned.ran == len(runs) < len(exhaustive.candidates) == 16
-    over = [c for c in tuned.candidates if c.skipped and c.skipped.startswith("over the memory budget")]
+    over = [c for c in tuned.candidates if c.reason == "over the memory budget"]
     assert over and all(c.flags not in runs for c in over)  # never run
-    dominated = [c for c in tuned.candidates if c.skipped and c.skipped.startswith("dominated")]
+    dominated = [c for c in tuned.candidates if c.reason == "dominated"]
     assert dominated and all(c.flags not in runs for c in dominated)
-    refused = [c for c in tuned.candidates if c.skipped and c.skipped.startswith("refused")]
+    refused = [c for c in tuned.candidates if c.reason == "refused"]
     assert [c.point for c in refused] == [{"tp": 2, "mbs": 1, "zero": 1, "recompute": 1}]
+    assert refused[0].why == "ValueError: the trainer refuses this one"
     assert tuned.counts == {"over the memory budget": len(over), "dominated": len(dominated), "refused": 1}
     lines = out.getvalue().splitlines()
     assert len(lines) == tuned.ran and lines[-1].startswith(f"[{'#' * 20}] {tuned.ran}/{tuned.ran} trials, 0 left")
     assert "best" in lines[0] and "1 left" in lines[-2]
     # Resumed from its results file: nothing runs again, the same best
-    again = search(space, flags_of, plan, lambda f: pytest.fail("re-ran a trial"), budget,
+    again = search(space, flags_of, plan, lambda f: pytest.fail("re-ran a trial"), budget, savers=savers,
                    results=str(tmp_path / "r.jsonl"), stream=io.StringIO())  # fmt: skip
     assert (again.ran, again.resumed, again.best.point) == (0, tuned.ran, tuned.best.point)
+    # ... but not results measured under another setting (other fixed flags, ranks or steps)
+    other = search(space, flags_of, plan, run, budget, savers=savers, results=str(tmp_path / "r.jsonl"),
+                   setting={"nproc": 8}, stream=io.StringIO())  # fmt: skip
+    assert (other.ran, other.resumed) == (tuned.ran, 0)
+
+
+def test_a_point_runs_after_all_when_the_point_that_dominated_it_fails():
+    space = Space().symbol("recompute", ["none", "full"])
+    costs = {"none": Cost(1, 1.0, 1.0), "full": Cost(1, 2.0, 1.0)}
+    results = {
+        "none": {"error": "exit status 1: torch.OutOfMemoryError: CUDA out of memory"},
+        "full": {"step_seconds": 2.0},
+    }
+    calls = []
+
+    def run(flags):
+        calls.append(flags[0])
+        return results[flags[0]]
+
+    out = search(space, lambda p: [p["recompute"]], lambda f: costs[f[0]], run, 10, stream=io.StringIO())
+    assert calls == ["none", "full"] and out.best.point == {"recompute": "full"}
+    assert out.counts == {} and out.ran == 2
 
 
 def test_confirmation_rounds_let_the_median_decide_between_near_ties(tmp_path):
@@ -122,8 +146,9 @@ def _fits(plan, flags, budget):
         return False
 
 
-def test_ring_traffic_counts_an_all_reduce_twice():
-    assert ring_traffic({"all_reduce[dp]": 10, "reduce_scatter_single[dp]": 10, "all_gather_single[dp]": 10}) == 40
+def test_ring_traffic_counts_an_all_reduce_twice_and_a_receive_not_at_all():
+    comm = {"all_reduce[dp]": 10, "reduce_scatter_single[dp]": 10, "all_gather_single[dp]": 10, "irecv[pp]": 5}
+    assert ring_traffic(comm) == 40  # a receive sends nothing
 
 
 def _tune(tmp_path, *extra):

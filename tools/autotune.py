@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -55,8 +56,9 @@ RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
 ZERO = {0: [], 1: ["--use-distributed-optimizer"], 2: ["--engine", "deepspeed", "--zero-stage", "2"],
         3: ["--engine", "deepspeed", "--zero-stage", "3"]}  # fmt: skip
 CHOSEN = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--sequence-parallel", "--engine",
-          "--zero-stage", "--use-distributed-optimizer", "--micro-batch-size", "--recompute-granularity",
-          "--recompute-method", "--checkpoint-ratio")  # fmt: skip
+          "--zero-stage", "--deepspeed-config", "--use-distributed-optimizer", "--micro-batch-size",
+          "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--checkpoint-ratio",
+          "--num-layers-per-virtual-pipeline-stage")  # fmt: skip
 
 
 def _ints(text: str) -> list[int]:
@@ -112,14 +114,20 @@ def _runner(task: str, base: list[str], nproc: int, warmup: int, steps: int, tim
                    "-m", "megatron_slapo.tuning.trial", "--out", out, "--task", task, "--warmup", str(warmup),
                    "--steps", str(steps), "--", *base, *flags, "--tensorboard-dir", os.path.join(tmp, "tb")]  # fmt: skip
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+            # a session of its own: at the timeout, torchrun and every worker go, not torchrun alone
+            trial = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)  # fmt: skip
             try:
-                done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+                _, stderr = trial.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
+                os.killpg(trial.pid, signal.SIGKILL)
+                trial.communicate()
                 return {"error": f"no result within --trial-timeout {timeout} s"}
             if os.path.exists(out):
                 with open(out) as f:
                     return json.load(f)
-            return {"error": f"the trial exited with status {done.returncode} without a result"}
+            errors = [line for line in stderr.splitlines() if "Error" in line] or stderr.splitlines()[-1:]
+            return {"error": f"exit status {trial.returncode}: " + (errors[0].strip()[:300] if errors else "no output")}
 
     return run
 
@@ -130,7 +138,10 @@ def command(task: str, nproc: int, base: list[str], flags: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
-        prog="autotune.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="autotune.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     p.add_argument("--task", choices=("gpt",), default="gpt")
     p.add_argument("--nproc-per-node", type=int, default=torch.cuda.device_count() or 2)
@@ -169,15 +180,17 @@ def main(argv: list[str] | None = None) -> None:
               f"per rank; results in {ours.results}", flush=True)  # fmt: skip
         outcome = search(space, flags_of, _planner(ours.task, trial, world),
                          _runner(ours.task, trial, world, ours.warmup, ours.steps, ours.trial_timeout), budget,
-                         results=ours.results, exhaustive=ours.exhaustive, confirm=ours.confirm_rounds)  # fmt: skip
+                         results=ours.results, exhaustive=ours.exhaustive, confirm=ours.confirm_rounds,
+                         setting={"task": ours.task, "nproc": world, "warmup": ours.warmup, "steps": ours.steps,
+                                  "flags": trial})  # fmt: skip
     total = len(outcome.candidates)
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(outcome.counts.items()))
     print(f"> {outcome.ran + outcome.resumed} trials of {total} configurations ({outcome.ran} run now, "
           f"{outcome.resumed} from {ours.results}); skipped without a run: {skipped or 'none'}. "
           f"An exhaustive search (Slapo's tuner) runs all {total}.")  # fmt: skip
-    refused = [c for c in outcome.candidates if c.skipped and c.skipped.startswith("refused")]
+    refused = [c for c in outcome.candidates if c.reason == "refused"]
     for c in refused[:5]:
-        print(f"> refused by the trainer: {' '.join(f'{k}={v}' for k, v in c.point.items())}: {c.skipped[9:]}")
+        print(f"> refused by the trainer: {' '.join(f'{k}={v}' for k, v in c.point.items())}: {c.why}")
     if len(refused) > 5:
         print(f"> ... and {len(refused) - 5} more refused")
     if outcome.best is None:

@@ -52,7 +52,7 @@ from megatron_slapo.errors import CheckpointError
 from megatron_slapo.parallel import cpu_compat
 from megatron_slapo.parallel.collectives import Group, all_reduce_flat, comm_device, group_size
 from megatron_slapo.pipeline import PipelineStages
-from megatron_slapo.training.optimizer import build_scheduler, half_precision
+from megatron_slapo.training.optimizer import build_scheduler, half_precision, megatron_fp32_grads
 
 PARAMETER_STATE = "distrib_optim.pt"  # Megatron-LM's file for the distributed optimizer's shards
 # Not actionable here: a default of TransformerConfig, and the missing apex (see the README's notes).
@@ -84,7 +84,7 @@ class MegatronEngine:
         self.device = next(stages[0][1].parameters()).device
         # weights and pipeline messages
         self.dtype = half_precision(args) or torch.float32
-        self.grads_in_fp32 = (args.accumulate_allreduce_grads_in_fp32 or not args.fp16) and not args.grad_reduce_in_bf16
+        self.grads_in_fp32 = megatron_fp32_grads(args)
         with cpu_compat.device_mode():
             self.config = self._transformer_config(total)
             self.chunks = [StageChunk(stage, k == 0, k == total - 1, self.config) for k, stage in stages]

@@ -150,6 +150,8 @@ def simulate(world_size: int, rank: int, tensor_parallel: int = 1, pipeline_para
         cpu_compat.apply()
     from megatron.core import parallel_state as ps
 
+    if dist.is_initialized() and dist.get_backend() != "fake":
+        raise RuntimeError("parallel.simulate() plans in a process of its own: this one runs a process group")
     destroy()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,

@@ -40,9 +40,10 @@ from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.tracing.meta_fixes import experts_on_meta, unpacked_on_meta
 from megatron_slapo.training.loop import Plan, prepare
 from megatron_slapo.training.model import transformer_layers
-from megatron_slapo.training.optimizer import half_precision
+from megatron_slapo.training.optimizer import half_precision, megatron_fp32_grads
 
 DEEPSPEED_MAX_LIVE = 10**9  # DeepSpeed's stage3_max_live_parameters / max_reuse_distance defaults
+DEEPSPEED_PERSISTENT = 10**5  # its stage3_param_persistence_threshold default
 
 
 @dataclass
@@ -107,8 +108,9 @@ class _Meter:
 
 
 def _leaf(value: torch.Tensor) -> torch.Tensor:
-    """A value received over a cut: a new leaf, as megatron-core's receive buffers are."""
-    return value.detach().requires_grad_(value.is_floating_point())
+    """A value received over a cut: a new leaf in a buffer of its own, as megatron-core's receive
+    buffers are (a stage that saves it must count it, even where the sender saved it too)."""
+    return value.detach().clone().requires_grad_(value.is_floating_point())
 
 
 def _run_stages(model: PipelineStages, plan: Plan, batch: dict, meter: _Meter) -> list[int]:
@@ -153,62 +155,107 @@ def _meta_batch(plan: Plan) -> dict:
     return {k: v.to("meta") if torch.is_tensor(v) else v for k, v in next(iter(loader)).items()}
 
 
-def _state_bytes(args: argparse.Namespace, numel: int, dp: int) -> dict[str, int]:
-    """Weights, gradients and optimizer state for ``numel`` model-parallel-local weights: 4 bytes
-    each in fp32, and AdamW's two fp32 moments; with --bf16/--fp16, half-precision weights (on the
-    engines that convert the model) plus an fp32 master copy. Sharded over ``dp`` where the engine
-    shards: FSDP everything, ZeRO-1/2/3 the optimizer, from 2 the gradients, at 3 the weights,
-    megatron-core's distributed optimizer the optimizer."""
-    half = half_precision(args) is not None
-    shard = math.ceil(numel / dp)
-    if args.engine in ("ddp", "fsdp"):  # fp32 weights (autocast or FSDP's mixed-precision policy computes in half)
-        count = shard if args.engine == "fsdp" else numel
-        return {"params": 4 * count, "grads": 4 * count, "optimizer": 8 * count}
+@dataclass
+class _Weights:
+    """This rank's weights as the engine sees them: element counts, a tied weight once."""
+
+    sizes: list[int]  # per weight tensor
+    in_layers: int  # elements inside transformer layers (FSDP's units)
+    largest_layer: int
+    partial: int  # elements of sequence parallelism's replicated weights (partial gradients)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+
+def zero_stage(args: argparse.Namespace, dp: int) -> int:
+    """DeepSpeed's ZeRO stage: ``--zero-stage`` or the ``--deepspeed-config``'s (default 1)."""
+    from megatron_slapo.engines.deepspeed_zero import deepspeed_config
+
+    return deepspeed_config(args, dp)["zero_optimization"]["stage"]
+
+
+def _weight_bytes(args: argparse.Namespace) -> int:
+    """Bytes of a weight as it is stored: half precision where the engine converts the model."""
+    return 2 if half_precision(args) is not None and args.engine in ("megatron", "deepspeed") else 4
+
+
+def _grad_bytes(args: argparse.Namespace) -> int:
+    """Bytes of a gradient as it is reduced."""
     if args.engine == "megatron":
-        fp32_grads = (args.accumulate_allreduce_grads_in_fp32 or not args.fp16) and not args.grad_reduce_in_bf16
+        return 4 if megatron_fp32_grads(args) else 2
+    return _weight_bytes(args)  # DeepSpeed reduces in the model's dtype; DDP and FSDP in fp32
+
+
+def _state_bytes(args: argparse.Namespace, w: _Weights, dp: int) -> dict[str, int]:
+    """Weights, gradients and optimizer state: 4 bytes a weight in fp32, and AdamW's two fp32
+    moments; with --bf16/--fp16, half-precision weights (on the engines that convert the model)
+    plus an fp32 master copy. Sharded over ``dp`` where the engine shards: FSDP everything,
+    ZeRO-1/2/3 the optimizer, from 2 the gradients, at 3 the weights, megatron-core's distributed
+    optimizer the optimizer. ``gathered``: whole weights held while they are used (FSDP's root and
+    two layers, the current and the prefetched; ZeRO-3's, kept from forward to backward)."""
+    half = half_precision(args) is not None
+    numel, shard = w.numel, math.ceil(w.numel / dp)
+    if args.engine in ("ddp", "fsdp"):  # fp32 weights (autocast or FSDP's mixed-precision policy computes in half)
+        if args.engine == "ddp":
+            return {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel}
+        unsharded = (numel - w.in_layers + 2 * w.largest_layer) * (2 if half else 4) if dp > 1 else 0
+        return {"params": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard, "gathered": unsharded}
+    if args.engine == "megatron":
         optimizer = numel * 4 * (3 if half else 2)
-        return {"params": numel * (2 if half else 4), "grads": numel * (4 if fp32_grads else 2),
+        return {"params": numel * _weight_bytes(args), "grads": numel * _grad_bytes(args),
                 "optimizer": optimizer // dp if args.use_distributed_optimizer else optimizer}  # fmt: skip
-    stage = args.zero_stage if args.zero_stage is not None else 1  # deepspeed
-    weight = 2 if half else 4
+    stage, weight = zero_stage(args, dp), _weight_bytes(args)
     master = shard if stage >= 1 else numel
-    return {"params": weight * (shard if stage == 3 else numel), "grads": 4 * master if stage >= 2 else weight * numel,
-            "optimizer": 4 * master * (3 if stage >= 1 else 2)}  # fmt: skip
+    state = {"params": weight * (shard if stage == 3 else numel), "grads": 4 * master if stage >= 2 else weight * numel,
+             "optimizer": 4 * master * (3 if stage >= 1 else 2)}  # fmt: skip
+    if stage == 3 and dp > 1:
+        state["gathered"] = weight * min(numel, DEEPSPEED_MAX_LIVE)
+    return state
 
 
-def _engine_comm(args: argparse.Namespace, numel: int, dp: int, micro: int, in_layers: int) -> Counter[str]:
-    """The data-parallel collectives the engine adds around the model, per step (whole payloads:
-    every rank's weights or gradients, as ``--log-comm`` counts them). ``in_layers``: how many of
-    the ``numel`` weights are in transformer layers (FSDP's units)."""
+def _engine_comm(args: argparse.Namespace, w: _Weights, dp: int, micro: int) -> Counter[str]:
+    """The collectives the engine adds around the model, per step (whole payloads: every rank's
+    weights or gradients, as ``--log-comm`` counts them): the data-parallel ones, and the sum of
+    sequence parallelism's partial gradients over the tensor-parallel ranks."""
+    comm = _data_parallel_comm(args, w, dp, micro)
+    if w.partial and args.tensor_model_parallel_size > 1:
+        shards = dp if args.engine == "fsdp" else 1  # FSDP sums each rank's shard
+        times = micro if args.engine == "deepspeed" else 1  # ZeRO: in its backward hooks
+        comm["all_reduce[tp]"] += times * math.ceil(w.partial / shards) * _grad_bytes(args)
+    return comm
+
+
+def _data_parallel_comm(args: argparse.Namespace, w: _Weights, dp: int, micro: int) -> Counter[str]:
     comm: Counter[str] = Counter()
     if dp == 1:
         return comm
-    half = half_precision(args) is not None
-    weights = numel * (2 if half and args.engine in ("megatron", "deepspeed") else 4)
+    numel, weights, grads = w.numel, w.numel * _weight_bytes(args), w.numel * _grad_bytes(args)
     if args.engine == "ddp":
-        comm["all_reduce[dp]"] += 4 * numel  # the buckets, once, after the last micro-batch
+        comm["all_reduce[dp]"] += grads  # the buckets, once, after the last micro-batch
     elif args.engine == "fsdp":  # a layer is gathered for its forward and again for its backward; the
-        gathered = 2 if half else 4  # root's weights (embedding, head) stay gathered from forward to backward
-        comm["all_gather_single[dp]"] += micro * gathered * (2 * in_layers + numel - in_layers)
-        comm["reduce_scatter_single[dp]"] += 4 * numel  # gradient sync on the last micro-batch only
+        gathered = 2 if half_precision(args) is not None else 4  # root's weights stay from forward to backward
+        comm["all_gather_single[dp]"] += micro * gathered * (numel + w.in_layers)
+        comm["reduce_scatter_single[dp]"] += grads  # gradient sync on the last micro-batch only
     elif args.engine == "megatron":
-        fp32_grads = (args.accumulate_allreduce_grads_in_fp32 or not args.fp16) and not args.grad_reduce_in_bf16
-        grads = numel * (4 if fp32_grads else 2)
         if args.use_distributed_optimizer:
             comm["reduce_scatter_single[dp-cp]"] += grads
             comm["all_gather_single[dp-cp]"] += weights
         else:
             comm["all_reduce[dp-cp]"] += grads
-    else:
-        stage = args.zero_stage if args.zero_stage is not None else 1
-        if stage == 3:  # gathered at first use; kept to the backward while all fit DeepSpeed's live limit
-            gathers = 1 if numel <= DEEPSPEED_MAX_LIVE else 2
-            comm["all_gather_single[dp]"] += gathers * micro * weights
-            comm["reduce_scatter_single[dp]"] += micro * 4 * numel
-        else:  # stage 2 reduces every micro-batch's gradients into its partition, 0/1 once a step
-            comm["all_reduce[dp]"] += (micro if stage == 2 else 1) * weights
-            if stage >= 1:
-                comm["all_gather_single[dp]"] += weights  # the updated partitions, back to every rank
+    elif (stage := zero_stage(args, dp)) == 3:
+        # A weight is gathered at its first use in each micro-batch and kept to its backward while
+        # all fit DeepSpeed's live limit (else gathered again for the backward); weights of at most
+        # DEEPSPEED_PERSISTENT elements stay whole between micro-batches and are gathered once a step.
+        large = sum(n for n in w.sizes if n > DEEPSPEED_PERSISTENT)
+        gathers = 1 if numel <= DEEPSPEED_MAX_LIVE else 2
+        comm["all_gather_single[dp]"] += (gathers * micro * large + numel - large) * _weight_bytes(args)
+        comm["reduce_scatter_single[dp]"] += micro * grads
+    else:  # stage 2 reduces every micro-batch's gradients into its partition, 0/1 once a step
+        comm["all_reduce[dp]"] += (micro if stage == 2 else 1) * grads
+        if stage >= 1:
+            comm["all_gather_single[dp]"] += weights  # the updated partitions, back to every rank
     return comm
 
 
@@ -226,7 +273,7 @@ def estimate(task: str, argv: list[str], world: int, rank: int) -> RankEstimate:
     from megatron_slapo.training.arguments import parse_args
 
     args = parse_args(task, argv)
-    try:  # the fake group goes, whatever happens: an error is then reported as rank 0's, once
+    try:  # the fake group goes, whatever happens (an error is then reported as a plain process's)
         with contextlib.redirect_stdout(io.StringIO()):  # the trainer's start-up lines: not the report
             plan = prepare(args, world, simulate_rank=rank)
         return _estimate(plan, rank)
@@ -238,26 +285,25 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
     args, layout = plan.args, plan.layout
     text = plan.sch.explain()
     model = ms.build(plan.sch, init_weights=False, device="meta", recompute_pipeline_inputs=True)
+    if half := half_precision(args):  # megatron-core and DeepSpeed convert the model, FSDP gathers it so;
+        model.to(half)  # DDP's autocast keeps some activations in fp32, which this pass does not
     dp, pp = args.data_parallel_size, layout.pp_size
     micro = args.global_batch_size // (args.micro_batch_size * dp)
     local = [k for k in range(plan.stages) if k % pp == layout.pp_rank]
     modules = [s for k, s in model.local(layout.pp_rank, pp)] if isinstance(model, PipelineStages) else [model]
-    numel = sum({id(p): p.numel() for m in modules for p in m.parameters()}.values())  # a tied weight once
+    unique = list({id(p): p for m in modules for p in m.parameters()}.values())  # a tied weight once
+    layers = transformer_layers(model, plan.config.num_hidden_layers) if args.engine == "fsdp" else []
+    per_layer = [sum(p.numel() for p in model.get_submodule(path).parameters()) for path in layers]
+    weights = _Weights([p.numel() for p in unique], sum(per_layer), max(per_layer, default=0),
+                       sum(p.numel() for p in unique if getattr(p, "sequence_parallel", False)))  # fmt: skip
     meter, crossing = _meta_pass(plan, model, _meta_batch(plan))
     comm: Counter[str] = Counter()
     for k in local:
         comm.update({key: micro * value for key, value in meter.comm.get(k, {}).items()})
-    layers = transformer_layers(model, plan.config.num_hidden_layers) if args.engine == "fsdp" else []
-    in_layers = sum(p.numel() for path in layers for p in model.get_submodule(path).parameters())
-    comm.update(_engine_comm(args, numel, dp, micro, in_layers))
-    unique = {id(p): p for m in modules for p in m.parameters()}.values()
-    partial = sum(p.numel() for p in unique if getattr(p, "sequence_parallel", False))
-    if partial and layout.tp_size > 1:  # sequence parallelism's replicated weights: partial gradients, summed
-        comm["all_reduce[tp]"] += 4 * partial * (micro if args.engine == "deepspeed" else 1)  # ZeRO: in backward
+    comm.update(_engine_comm(args, weights, dp, micro))
     activations = sum(meter.saved[k] for k in local)
     in_flight, bubble = 1, 0.0
     if isinstance(model, PipelineStages):
-        half = half_precision(args) is not None
         value_bytes = 2 if half else 4
         for k in local:
             if k > 0:  # receive the activation, send its gradient back
@@ -266,8 +312,7 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
             if k < plan.stages - 1:
                 comm["isend[pp]"] += micro * crossing[k] * value_bytes
                 comm["irecv[pp]"] += micro * crossing[k] * value_bytes
-        fp32_grads = not args.fp16 or args.accumulate_allreduce_grads_in_fp32
-        tied = _tied_bytes(model, local, 4 if fp32_grads and not args.grad_reduce_in_bf16 else 2)
+        tied = _tied_bytes(model, local, _grad_bytes(args))
         if tied:
             comm["all_reduce[embd]"] += tied
         chunks = len(local)  # virtual stages per rank
@@ -278,7 +323,7 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
         bubble = (pp - 1) / (chunks * micro + pp - 1)
     return RankEstimate(
         rank=rank, coordinates=(layout.tp_rank, layout.pp_rank, layout.dp_rank), stages=local,
-        memory=_state_bytes(args, numel, dp), activations=activations, in_flight=in_flight,
+        memory=_state_bytes(args, weights, dp), activations=activations, in_flight=in_flight,
         comm=dict(sorted(comm.items())), flops=micro * sum(meter.flops[k] for k in local), micro_batches=micro,
         bubble=bubble, schedule=text,
     )  # fmt: skip

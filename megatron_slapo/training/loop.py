@@ -118,6 +118,7 @@ class Plan:
     flops: float  # training FLOPs per token (per image)
     model_class: str
     metadata_vocab: Any
+    resume_path: str | None  # the checkpoint --load resumes from (not looked for when simulating)
     started: float
 
 
@@ -153,6 +154,7 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     schedule = get_schedule(args.schedule)
     check_fits(args.schedule, config.model_type)
     datasets = task.build_datasets(args, tokenizer, _split_sizes(args))
+    resume_path = checkpointing.checkpoint_file(args.load, layout) if args.load and simulate_rank is None else None
     model = create_model(args, config)
     if isinstance(task, GPTTask):
         task.attention = model.config._attn_implementation  # the form of the 4D mask it takes
@@ -204,15 +206,15 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
         )
         print_rank_0(f" > note: --schedule {args.schedule} shards over --tensor-model-parallel-size 1, i.e. not at all; "
                      f"the {world} ranks are {ranks} ranks")  # fmt: skip
-    return Plan(args, task, config, layout, sch, stages, datasets, flops, model_class, metadata_vocab, started)
+    return Plan(args, task, config, layout, sch, stages, datasets, flops, model_class, metadata_vocab, resume_path,
+                started)  # fmt: skip
 
 
 def setup(args: argparse.Namespace) -> Run:
     """Validate, initialise, build: everything before the first training step."""
     plan = prepare(args)
     args, layout, task, config, stages, sch = plan.args, plan.layout, plan.task, plan.config, plan.stages, plan.sch
-    tp_group = parallel.tensor_parallel_group()
-    resume_path = checkpointing.checkpoint_file(args.load, layout) if args.load else None
+    tp_group, resume_path = parallel.tensor_parallel_group(), plan.resume_path
     local_stages = [k for k in range(stages) if k % layout.pp_size == layout.pp_rank]
     hook = getattr(ENGINES[args.engine], "build_hook", None)
     after_unit = hook(args, layout.dp_group, tp_group) if hook else None  # e.g. ZeRO-3 partitions as it builds

@@ -18,6 +18,13 @@ def half_precision(args: argparse.Namespace) -> torch.dtype | None:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
 
 
+def megatron_fp32_grads(args: argparse.Namespace) -> bool:
+    """Whether ``--engine megatron`` accumulates and reduces gradients in fp32: always in fp32 and
+    with --bf16 (as Megatron), with --fp16 only given --accumulate-allreduce-grads-in-fp32, never
+    with --grad-reduce-in-bf16."""
+    return (args.accumulate_allreduce_grads_in_fp32 or not args.fp16) and not args.grad_reduce_in_bf16
+
+
 def param_groups(model: nn.Module) -> list[dict]:
     """Weight decay on matrices only; biases and norm weights (1-D) are not decayed (Megatron)."""
     decay, no_decay = [], []

@@ -4,18 +4,22 @@ run only those that can win, keep every result, resume.
 Slapo's tuner ran every point. Here each point is first planned (``tools/explain.py``'s estimates,
 no training), then:
 
-1. **over the memory budget** (the estimated peak of its fullest rank): skipped, never run;
+1. **refused** (the trainer's own checks reject it) or **over the memory budget** (the estimated
+   peak of its fullest rank): skipped, never run;
 2. **dominated**: a point that differs from another only in how it saves memory (the symbols in
-   ``savers``: recompute, ZeRO stage) and does at least its FLOPs and moves at least its traffic
-   per step, while the other fits the budget, cannot be faster; it is skipped too. Traffic is what
-   each rank sends in a ring: an all-reduce twice its payload, other collectives once;
-3. the rest run, most promising (fewest FLOPs, then least traffic) first, as short real trials; each result
-   is appended to the results file at once, so a stopped search resumes where it was, re-running
-   nothing.
+   ``savers``, e.g. recompute) and does at least its FLOPs and sends at least its traffic per step,
+   while the other fits the budget, cannot be faster: it is skipped too, unless the other's trial
+   fails, when it runs after all. Traffic is what each rank sends in ring collectives: an
+   all-reduce twice its payload, other collectives once, a receive nothing;
+3. the rest run, most promising (fewest FLOPs, then least traffic) first, as short real trials.
+   Each result is appended to the results file at once, with the ``setting`` it was measured
+   under, so a stopped search resumes where it was and re-runs nothing (a result of another
+   setting is not used).
 
-The best point is the fastest trial; with ``confirm`` rounds, the trials within ``margin`` of it run
-again in turn and the fastest median wins (two points whose costs tie differ only by noise). ``run`` takes a point's flags and returns a structured result
-(``step_seconds``, or ``error``); :func:`search` neither launches nor parses anything itself.
+The best point is the fastest trial; with ``confirm`` rounds, the trials within ``margin`` of it
+run again in turn and the fastest median wins (two points whose costs tie differ only by noise).
+``run`` takes a point's flags and returns a structured result (``step_seconds``, or ``error``);
+:func:`search` neither launches nor parses anything itself.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ class Candidate:
     point: Point
     flags: list[str]
     cost: Cost | None = None
-    skipped: str | None = None  # why it was not run
+    reason: str | None = None  # why it is not run: "refused", "over the memory budget", "dominated"
+    why: str = ""  # the details, in words
+    dominator: Candidate | None = None
     result: dict[str, Any] | None = None  # the trial's (or the results file's)
     resumed: bool = False
     times: list[float] = field(default_factory=list)  # step seconds: the trial's, then any confirmation's
@@ -73,15 +79,16 @@ class Outcome:
 def ring_traffic(comm: dict[str, int]) -> float:
     """Bytes a rank sends per step in ring collectives: an all-reduce is a reduce-scatter and an
     all-gather of its payload, so it counts twice."""
-    return sum(value * (2 if key.startswith("all_reduce") else 1) for key, value in comm.items())
+    sent = {k: v for k, v in comm.items() if not k.startswith(("irecv", "recv"))}
+    return sum(value * (2 if key.startswith("all_reduce") else 1) for key, value in sent.items())
 
 
 def _describe(point: Point) -> str:
     return " ".join(f"{k}={v}" for k, v in point.items())
 
 
-def _dominated(candidates: list[Candidate], savers: tuple[str, ...]) -> None:
-    fits = [c for c in candidates if c.skipped is None and c.cost is not None]
+def _dominate(candidates: list[Candidate], savers: tuple[str, ...]) -> None:
+    fits = [c for c in candidates if c.reason is None]
     for worse in fits:
         layout = {k: v for k, v in worse.point.items() if k not in savers}
         for better in fits:
@@ -91,7 +98,7 @@ def _dominated(candidates: list[Candidate], savers: tuple[str, ...]) -> None:
             no_worse = a.flops <= b.flops and a.traffic <= b.traffic
             if no_worse and (a.flops < b.flops or a.traffic < b.traffic):  # a tie runs both: noise decides
                 # (transitive: a dominated ``better`` has a better of its own, which dominates ``worse`` too)
-                worse.skipped = f"dominated by {_describe(better.point)}"
+                worse.reason, worse.why, worse.dominator = "dominated", f"by {_describe(better.point)}", better
                 break
 
 
@@ -116,15 +123,19 @@ class _Progress:
 
 class _Results:
     """The results file: one JSON line per run (a trial is round 0, a confirmation round 1, 2, ...),
-    written as each run ends, read back on resume."""
+    written as each run ends, read back on resume: only the lines of the same ``setting``."""
 
-    def __init__(self, path: str | None) -> None:
-        self.path, self.known = path, {}
+    def __init__(self, path: str | None, setting: dict[str, Any]) -> None:
+        self.path, self.setting, self.known = path, setting, {}
         if path and os.path.exists(path):
             with open(path) as f:
                 for line in filter(str.strip, f):
-                    row = json.loads(line)
-                    self.known[(json.dumps(row["flags"]), row.get("round", 0))] = row["result"]
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:  # a line cut short when the tuner was stopped
+                        continue
+                    if row.get("setting") == setting:
+                        self.known[(json.dumps(row["flags"]), row.get("round", 0))] = row["result"]
 
     def get(self, c: Candidate, round_: int, run: Callable[[list[str]], dict[str, Any]]) -> tuple[dict, bool]:
         """The result of ``c`` in ``round_``, and whether it came from the file."""
@@ -133,8 +144,9 @@ class _Results:
             return self.known[key], True
         result = run(c.flags)
         if self.path:
+            row = {"point": c.point, "flags": c.flags, "round": round_, "setting": self.setting, "result": result}
             with open(self.path, "a") as f:
-                f.write(json.dumps({"point": c.point, "flags": c.flags, "round": round_, "result": result}) + "\n")
+                f.write(json.dumps(row) + "\n")
         return result, False
 
 
@@ -158,48 +170,59 @@ def search(
     run: Callable[[list[str]], dict[str, Any]],
     budget: int,
     *,
-    savers: tuple[str, ...] = ("recompute", "zero"),
+    savers: tuple[str, ...] = ("recompute",),
     results: str | None = None,
+    setting: dict[str, Any] | None = None,
     stream: TextIO = sys.stdout,
     exhaustive: bool = False,
     confirm: int = 0,
     margin: float = 0.1,
 ) -> Outcome:
-    """Search ``space`` as the module docstring says. ``plan`` may raise ``ValueError`` (a point
-    the trainer refuses): that point is skipped with the reason. ``exhaustive``: run every point,
-    as Slapo's tuner did (to check the pruned search against). ``confirm``: rounds in which the
-    trials within ``margin`` of the fastest run again, so that noise does not pick the winner."""
+    """Search ``space`` as the module docstring says. A point ``plan`` raises on is refused (the
+    trainer's checks say why). ``setting``: what else the trials depend on (the fixed flags, the
+    ranks, the steps), recorded with each result. ``exhaustive``: run every point, as Slapo's tuner
+    did (to check the pruned search against). ``confirm``: rounds in which the trials within
+    ``margin`` of the fastest run again."""
     candidates = [Candidate(point, flags_of(point)) for point in space]
     for c in candidates if not exhaustive else []:
         try:
             c.cost = plan(c.flags)
-        except ValueError as e:
-            c.skipped = f"refused: {e}"
+        except Exception as e:  # whatever the planning trips on, the point is out, with why
+            c.reason, c.why = "refused", f"{type(e).__name__}: {e}".splitlines()[0]
             continue
         if c.cost.peak > budget:
-            c.skipped = f"over the memory budget ({c.cost.peak / 2**20:,.1f} MiB estimated)"
-    _dominated(candidates, savers)
-    chosen = [c for c in candidates if c.skipped is None]
+            c.reason, c.why = "over the memory budget", f"{c.cost.peak / 2**20:,.1f} MiB estimated"
+    chosen = [c for c in candidates if c.reason is None]
     if not exhaustive:
-        chosen.sort(key=lambda c: (c.cost.flops, c.cost.traffic))
-    record = _Results(results)
+        _dominate(candidates, savers)
+        chosen = sorted((c for c in chosen if c.reason is None), key=lambda c: (c.cost.flops, c.cost.traffic))
+    record = _Results(results, setting or {})
     progress = _Progress(len(chosen), stream)
     best: Candidate | None = None
-    for c in chosen:
-        c.result, c.resumed = record.get(c, 0, run)
-        if c.result.get("step_seconds") is not None:
-            c.times.append(c.result["step_seconds"])
-        if c.seconds is not None and (best is None or c.seconds < best.seconds):
-            best = c
-        progress.show(best, c)
-    contenders = [c for c in chosen if best and c.seconds is not None and c.seconds <= best.seconds * (1 + margin)]
+    done: list[Candidate] = []
+    while chosen:
+        for c in chosen:
+            c.result, c.resumed = record.get(c, 0, run)
+            if c.result.get("step_seconds") is not None:
+                c.times.append(c.result["step_seconds"])
+            if c.seconds is not None and (best is None or c.seconds < best.seconds):
+                best = c
+            progress.show(best, c)
+        done += chosen
+        # a point whose dominator failed (out of memory after all, say) is no longer beaten: run it
+        chosen = [
+            c for c in candidates if c.reason == "dominated" and c.dominator in done and c.dominator.seconds is None
+        ]
+        for c in chosen:
+            c.reason, c.why = None, ""
+        progress.total += len(chosen)
+    contenders = [c for c in done if best and c.seconds is not None and c.seconds <= best.seconds * (1 + margin)]
     if confirm and len(contenders) > 1:
         _confirm(contenders, confirm, record, run, stream)
         best = min(contenders, key=lambda c: c.seconds)
     counts: dict[str, int] = {}
     for c in candidates:
-        if c.skipped:
-            reason = c.skipped.split(" (")[0].split(" by ")[0].split(":")[0]
-            counts[reason] = counts.get(reason, 0) + 1
-    resumed = sum(c.resumed for c in chosen)
-    return Outcome(candidates, best, len(chosen) - resumed, resumed, counts)
+        if c.reason:
+            counts[c.reason] = counts.get(c.reason, 0) + 1
+    resumed = sum(c.resumed for c in done)
+    return Outcome(candidates, best, len(done) - resumed, resumed, counts)

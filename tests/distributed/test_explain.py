@@ -22,6 +22,11 @@ CASES = {
     "tp2-recompute": [*TP, "--recompute-granularity", "full", "--recompute-method", "uniform"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
     "zero3": ["--engine", "deepspeed", "--zero-stage", "3"],
+    # two micro-batches a step from here on
+    "zero3-accumulating": ["--engine", "deepspeed", "--zero-stage", "3", "--micro-batch-size", "2"],
+    "zero2-bf16": ["--engine", "deepspeed", "--zero-stage", "2", "--bf16", "--micro-batch-size", "2"],
+    "dp2-distributed-optimizer-bf16": ["--use-distributed-optimizer", "--bf16", "--micro-batch-size", "2"],
+    "fsdp": ["--engine", "fsdp", "--micro-batch-size", "2"],
 }
 TOLERANCE = 0.10
 
