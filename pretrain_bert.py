@@ -6,7 +6,7 @@ Masked-LM plus sentence-order prediction (BERT, ALBERT; --bert-no-binary-head fo
 Megatron's BERT dataset. Arguments are Megatron-LM's (see --help).
 """
 
-from megatron_slapo.training.loop import pretrain
+from megatron_slapo.training.loop import main
 
 if __name__ == "__main__":
-    pretrain("bert")
+    main("bert")

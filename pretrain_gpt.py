@@ -6,7 +6,7 @@ Arguments are Megatron-LM's (see --help). With no --data-path it trains a small 
 that ships with Python, so the command above runs anywhere.
 """
 
-from megatron_slapo.training.loop import pretrain
+from megatron_slapo.training.loop import main
 
 if __name__ == "__main__":
-    pretrain("gpt")
+    main("gpt")

@@ -7,7 +7,7 @@ length is --seq-length (--encoder-seq-length), the decoder's --decoder-seq-lengt
 Megatron-LM's (see --help).
 """
 
-from megatron_slapo.training.loop import pretrain
+from megatron_slapo.training.loop import main
 
 if __name__ == "__main__":
-    pretrain("t5")
+    main("t5")

@@ -6,7 +6,7 @@ On a generated image set (megatron_slapo/data/images.py), logging loss and top-1
 Megatron's log line. Arguments are Megatron-LM's where it has them (see --help).
 """
 
-from megatron_slapo.training.loop import pretrain
+from megatron_slapo.training.loop import main
 
 if __name__ == "__main__":
-    pretrain("vision")
+    main("vision")

@@ -417,6 +417,16 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
     return state
 
 
+def main(task: str) -> None:
+    """``pretrain_<task>.py``'s entry point: :func:`pretrain`, then the process groups shut down
+    before the interpreter does (left to its exit, gloo's threads can be torn down mid-flight and
+    abort a finished run)."""
+    try:
+        pretrain(task)
+    finally:
+        parallel.destroy()
+
+
 def pretrain(task: str, argv: list[str] | None = None) -> Resume | None:
     """Entry point of ``pretrain_{task}.py``; returns where training stopped (for tests)."""
     prog = f"pretrain_{task}.py"
