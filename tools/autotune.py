@@ -22,8 +22,9 @@ training): points over ``--memory-budget-gib`` (default: the GPU's memory, else 
 RAM shared by the ranks; 90% of it) and points dominated by a cheaper one are never run
 (:mod:`megatron_slapo.tuning.search`). The rest run as trials, one ``torchrun`` each
 (:mod:`megatron_slapo.tuning.trial`), whose JSON results go, a line each, to ``--results``
-(default ``autotune-results.jsonl``): run the same command again and it resumes. The last lines
-are the best configuration and its ``torchrun`` command.
+(default ``autotune-results.jsonl``): run the same command again and it resumes (a result, an
+error included, is not run again: delete its line to retry it). The last lines are the best
+configuration and its ``torchrun`` command.
 """
 
 from __future__ import annotations

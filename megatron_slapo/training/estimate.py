@@ -16,7 +16,8 @@ cut, backward from the gradients sent back. What the engine adds around the mode
 pass cannot run, is written from the engines' published behaviour: weight, gradient and optimizer
 bytes per engine and ZeRO stage (the ZeRO paper's accounting), the data-parallel gradient and
 weight collectives, the pipeline's point-to-point sends and its tied-embedding all-reduce, and
-1F1B's bubble. Scalar collectives (the loss, the gradient norm) are left out.
+1F1B's bubble. Scalar collectives (the loss, the gradient norm) are left out, and so are the
+engines' communication buckets (DeepSpeed's ZeRO-1/2 reduce bucket, say) and allocator slack.
 """
 
 from __future__ import annotations
