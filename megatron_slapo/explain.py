@@ -34,8 +34,8 @@ def applied(node: Schedule) -> list[str]:
         tied = "" if spec.explicit else " (tied)"
         items.append(f"shard {name} axis {spec.axis}{stride}: {tuple(spec.full_shape)} -> {local}{tied}")
     items += sorted(f"sync {mode} {_op_name(op)}" for mode, op in meta.syncs)
-    flags = (("checkpoint", meta.checkpointed), ("fork_rng", meta.forked_rng), ("trace", meta.traced),
-             ("cut_pipeline_stage", meta.pipeline_cut))  # fmt: skip
+    flags = (("checkpoint", meta.checkpointed), ("checkpoint attention core", meta.core_checkpointed),
+             ("fork_rng", meta.forked_rng), ("trace", meta.traced), ("cut_pipeline_stage", meta.pipeline_cut))  # fmt: skip
     items += [word for word, on in flags if on]
     if meta.compiled:
         items.append(f"compile({meta.compiled})")

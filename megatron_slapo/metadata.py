@@ -29,6 +29,7 @@ class Metadata:
     syncs: set[tuple[str, Any]] = field(default_factory=set)  # (mode, op name or callable)
     annotations: dict[str, dict[str, Any]] = field(default_factory=dict)
     checkpointed: bool = False
+    core_checkpointed: bool = False  # attention_core(checkpoint=True): only the attention core is recomputed
     compiled: str | None = None  # the torch.compile backend, applied by build
     forked_rng: bool = False
     traced: bool = False

@@ -21,11 +21,12 @@ def _explain(tmp_path, *flags):
 def test_explain_plans_four_ranks_in_one_process(tmp_path):
     out = tmp_path / "plan.json"
     done = _explain(tmp_path, "--world-size", "4", "--json", str(out), "--tensor-model-parallel-size", "2",
-                    "--pipeline-model-parallel-size", "2")  # fmt: skip
+                    "--pipeline-model-parallel-size", "2", "--recompute-granularity", "selective")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     text = done.stdout
     assert "What the schedule did (rank 0):" in text and "transformer.h.1                   cut_pipeline_stage" in text
     assert "lm_head                           column-parallel" in text
+    assert "transformer.h.*.attn (x2)         checkpoint attention core; fork_rng" in text
     assert "Pipeline bubble: 20.0% of each step idle (2 pipeline ranks, 1 stage(s) each, 4 micro-batches)" in text
     plan = json.loads(out.read_text())
     ranks = plan["ranks"]

@@ -119,3 +119,4 @@ class AttentionCoreMixin:
                 raise self._error(f"attention_core({flag}=True) is already applied to this module")
             setattr(core, flag, getattr(core, flag) or wanted)
         self.metadata.forked_rng |= fork_rng
+        self.metadata.core_checkpointed |= checkpoint
