@@ -84,7 +84,7 @@ def test_the_search_runs_fewer_trials_and_finds_the_exhaustive_best(tmp_path):
     assert dominated and all(c.flags not in runs for c in dominated)
     refused = [c for c in tuned.candidates if c.reason == "refused"]
     assert [c.point for c in refused] == [{"tp": 2, "mbs": 1, "zero": 1, "recompute": 1}]
-    assert refused[0].why == "ValueError: the trainer refuses this one"
+    assert refused[0].why == "the trainer refuses this one"
     assert tuned.counts == {"over the memory budget": len(over), "dominated": len(dominated), "refused": 1}
     lines = out.getvalue().splitlines()
     assert len(lines) == tuned.ran and lines[-1].startswith(f"[{'#' * 20}] {tuned.ran}/{tuned.ran} trials, 0 left")
@@ -100,12 +100,10 @@ def test_the_search_runs_fewer_trials_and_finds_the_exhaustive_best(tmp_path):
 
 
 def test_a_point_runs_after_all_when_the_point_that_dominated_it_fails():
-    space = Space().symbol("recompute", ["none", "full"])
-    costs = {"none": Cost(1, 1.0, 1.0), "full": Cost(1, 2.0, 1.0)}
-    results = {
-        "none": {"error": "exit status 1: torch.OutOfMemoryError: CUDA out of memory"},
-        "full": {"step_seconds": 2.0},
-    }
+    space = Space().symbol("recompute", ["none", "selective", "full"])
+    costs = {"none": Cost(1, 1.0, 1.0), "selective": Cost(1, 1.5, 1.0), "full": Cost(1, 2.0, 1.0)}
+    results = {"none": {"error": "exit status 1: torch.OutOfMemoryError: CUDA out of memory"},
+               "selective": {"step_seconds": 1.5}, "full": {"step_seconds": 2.0}}  # fmt: skip
     calls = []
 
     def run(flags):
@@ -113,8 +111,21 @@ def test_a_point_runs_after_all_when_the_point_that_dominated_it_fails():
         return results[flags[0]]
 
     out = search(space, lambda p: [p["recompute"]], lambda f: costs[f[0]], run, 10, stream=io.StringIO())
-    assert calls == ["none", "full"] and out.best.point == {"recompute": "full"}
-    assert out.counts == {} and out.ran == 2
+    # "none" failed: "selective" is no longer beaten and runs; "full" is still beaten by "selective"
+    assert calls == ["none", "selective"] and out.best.point == {"recompute": "selective"}
+    assert out.counts == {"dominated": 1} and out.ran == 2
+    assert [c.why for c in out.candidates] == ["", "", "by recompute=selective"]
+
+
+def test_a_point_explain_cannot_plan_is_not_run_and_says_why():
+    def plan(flags):
+        if flags[0] == "2":
+            raise KeyError("wte")
+        return Cost(1, 1.0, 1.0)
+
+    space = Space().symbol("x", [1, 2])
+    out = search(space, lambda p: [str(p["x"])], plan, lambda f: {"step_seconds": 1.0}, 10, stream=io.StringIO())
+    assert out.counts == {"not explained": 1} and [c.why for c in out.candidates] == ["", "KeyError: 'wte'"]
 
 
 def test_confirmation_rounds_let_the_median_decide_between_near_ties(tmp_path):

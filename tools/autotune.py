@@ -124,6 +124,10 @@ def _runner(task: str, base: list[str], nproc: int, warmup: int, steps: int, tim
                 os.killpg(trial.pid, signal.SIGKILL)
                 trial.communicate()
                 return {"error": f"no result within --trial-timeout {timeout} s"}
+            except BaseException:  # the tuner stopped (Ctrl-C): its trial goes with it
+                os.killpg(trial.pid, signal.SIGKILL)
+                trial.wait()
+                raise
             if os.path.exists(out):
                 with open(out) as f:
                     return json.load(f)
@@ -189,11 +193,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"> {outcome.ran + outcome.resumed} trials of {total} configurations ({outcome.ran} run now, "
           f"{outcome.resumed} from {ours.results}); skipped without a run: {skipped or 'none'}. "
           f"An exhaustive search (Slapo's tuner) runs all {total}.")  # fmt: skip
-    refused = [c for c in outcome.candidates if c.reason == "refused"]
-    for c in refused[:5]:
-        print(f"> refused by the trainer: {' '.join(f'{k}={v}' for k, v in c.point.items())}: {c.why}")
-    if len(refused) > 5:
-        print(f"> ... and {len(refused) - 5} more refused")
+    if outcome.ignored:
+        print(f"> {outcome.ignored} results in {ours.results} were measured with other fixed flags, ranks or steps: "
+              "not used")  # fmt: skip
+    for reason in ("refused", "not explained"):
+        points = [c for c in outcome.candidates if c.reason == reason]
+        for c in points[:5]:
+            print(f"> {reason}: {' '.join(f'{k}={v}' for k, v in c.point.items())}: {c.why}")
+        if len(points) > 5:
+            print(f"> ... and {len(points) - 5} more {reason}")
     if outcome.best is None:
         print("> no configuration trained: see the errors above", file=sys.stderr)
         sys.exit(1)

@@ -55,13 +55,13 @@ def report(estimates: list[RankEstimate], world: int) -> str:
     first = estimates[0]
     lines = [f"What the schedule did (rank {first.rank}):", first.schedule, "",
              f"Per rank, of {world} (each pipeline stage's first; its tensor- and data-parallel peers hold the same):"]  # fmt: skip
-    header = ("rank", "(tp,pp,dp)", "stages", "weights", "gradients", "optimizer", "activations/micro-batch",
-              "held", "peak", "GFLOP/step")  # fmt: skip
+    header = ("rank", "(tp,pp,dp)", "stages", "weights", "gradients", "optimizer", "gathered",
+              "activations/micro-batch", "held", "peak", "GFLOP/step")  # fmt: skip
     rows = [header]
     for e in estimates:
         rows.append((str(e.rank), str(e.coordinates).replace(" ", ""), ",".join(map(str, e.stages)),
                      _mib(e.memory["params"]), _mib(e.memory["grads"]), _mib(e.memory["optimizer"]),
-                     _mib(e.activations), f"{e.in_flight:g}", _mib(e.peak), f"{e.flops / 1e9:,.2f}"))  # fmt: skip
+                     _mib(e.memory.get("gathered", 0)), _mib(e.activations), f"{e.in_flight:g}", _mib(e.peak), f"{e.flops / 1e9:,.2f}"))  # fmt: skip
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     for e in estimates:

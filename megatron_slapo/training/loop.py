@@ -418,13 +418,12 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
 
 
 def main(task: str) -> None:
-    """``pretrain_<task>.py``'s entry point: :func:`pretrain`, then the process groups shut down
-    before the interpreter does (left to its exit, gloo's threads can be torn down mid-flight and
-    abort a finished run)."""
-    try:
-        pretrain(task)
-    finally:
-        parallel.destroy()
+    """``pretrain_<task>.py``'s entry point: :func:`pretrain`, then, when it finished, the process
+    groups shut down before the interpreter does (left to its exit, gloo's threads can be torn down
+    mid-flight and abort a finished run). Not after an error: a rank would wait there for peers
+    that never come, where exiting lets torchrun stop the job."""
+    pretrain(task)
+    parallel.destroy()
 
 
 def pretrain(task: str, argv: list[str] | None = None) -> Resume | None:

@@ -4,8 +4,8 @@ run only those that can win, keep every result, resume.
 Slapo's tuner ran every point. Here each point is first planned (``tools/explain.py``'s estimates,
 no training), then:
 
-1. **refused** (the trainer's own checks reject it) or **over the memory budget** (the estimated
-   peak of its fullest rank): skipped, never run;
+1. **refused** (the trainer's own checks reject it), **not explained** (explain itself failed on
+   it) or **over the memory budget** (the estimated peak of its fullest rank): never run;
 2. **dominated**: a point that differs from another only in how it saves memory (the symbols in
    ``savers``, e.g. recompute) and does at least its FLOPs and sends at least its traffic per step,
    while the other fits the budget, cannot be faster: it is skipped too, unless the other's trial
@@ -49,9 +49,8 @@ class Candidate:
     point: Point
     flags: list[str]
     cost: Cost | None = None
-    reason: str | None = None  # why it is not run: "refused", "over the memory budget", "dominated"
+    reason: str | None = None  # why not run: "refused", "not explained", "over the memory budget", "dominated"
     why: str = ""  # the details, in words
-    dominator: Candidate | None = None
     result: dict[str, Any] | None = None  # the trial's (or the results file's)
     resumed: bool = False
     times: list[float] = field(default_factory=list)  # step seconds: the trial's, then any confirmation's
@@ -74,6 +73,7 @@ class Outcome:
     ran: int  # trials run in this call (confirmation rounds aside)
     resumed: int  # trial results taken from the results file
     counts: dict[str, int] = field(default_factory=dict)  # why points were skipped -> how many
+    ignored: int = 0  # results in the file measured under another setting
 
 
 def ring_traffic(comm: dict[str, int]) -> float:
@@ -87,8 +87,13 @@ def _describe(point: Point) -> str:
     return " ".join(f"{k}={v}" for k, v in point.items())
 
 
-def _dominate(candidates: list[Candidate], savers: tuple[str, ...]) -> None:
-    fits = [c for c in candidates if c.reason is None]
+def _dominate(candidates: list[Candidate], savers: tuple[str, ...], failed: set[int]) -> None:
+    """Mark the dominated points, afresh: a point that failed its trial (ids in ``failed``)
+    dominates nothing, so what it dominated is free again unless another point dominates it."""
+    for c in candidates:
+        if c.reason == "dominated":
+            c.reason, c.why = None, ""
+    fits = [c for c in candidates if c.reason is None and id(c) not in failed]
     for worse in fits:
         layout = {k: v for k, v in worse.point.items() if k not in savers}
         for better in fits:
@@ -98,7 +103,7 @@ def _dominate(candidates: list[Candidate], savers: tuple[str, ...]) -> None:
             no_worse = a.flops <= b.flops and a.traffic <= b.traffic
             if no_worse and (a.flops < b.flops or a.traffic < b.traffic):  # a tie runs both: noise decides
                 # (transitive: a dominated ``better`` has a better of its own, which dominates ``worse`` too)
-                worse.reason, worse.why, worse.dominator = "dominated", f"by {_describe(better.point)}", better
+                worse.reason, worse.why = "dominated", f"by {_describe(better.point)}"
                 break
 
 
@@ -126,7 +131,7 @@ class _Results:
     written as each run ends, read back on resume: only the lines of the same ``setting``."""
 
     def __init__(self, path: str | None, setting: dict[str, Any]) -> None:
-        self.path, self.setting, self.known = path, setting, {}
+        self.path, self.setting, self.known, self.ignored = path, setting, {}, 0
         if path and os.path.exists(path):
             with open(path) as f:
                 for line in filter(str.strip, f):
@@ -136,6 +141,8 @@ class _Results:
                         continue
                     if row.get("setting") == setting:
                         self.known[(json.dumps(row["flags"]), row.get("round", 0))] = row["result"]
+                    else:
+                        self.ignored += 1
 
     def get(self, c: Candidate, round_: int, run: Callable[[list[str]], dict[str, Any]]) -> tuple[dict, bool]:
         """The result of ``c`` in ``round_``, and whether it came from the file."""
@@ -187,14 +194,17 @@ def search(
     for c in candidates if not exhaustive else []:
         try:
             c.cost = plan(c.flags)
-        except Exception as e:  # whatever the planning trips on, the point is out, with why
-            c.reason, c.why = "refused", f"{type(e).__name__}: {e}".splitlines()[0]
+        except ValueError as e:  # the trainer's checks (ConfigError, SchedulingError)
+            c.reason, c.why = "refused", str(e).splitlines()[0]
+            continue
+        except Exception as e:  # explain itself tripped: the point is out, with why
+            c.reason, c.why = "not explained", f"{type(e).__name__}: {e}".splitlines()[0]
             continue
         if c.cost.peak > budget:
             c.reason, c.why = "over the memory budget", f"{c.cost.peak / 2**20:,.1f} MiB estimated"
     chosen = [c for c in candidates if c.reason is None]
     if not exhaustive:
-        _dominate(candidates, savers)
+        _dominate(candidates, savers, set())
         chosen = sorted((c for c in chosen if c.reason is None), key=lambda c: (c.cost.flops, c.cost.traffic))
     record = _Results(results, setting or {})
     progress = _Progress(len(chosen), stream)
@@ -209,12 +219,13 @@ def search(
                 best = c
             progress.show(best, c)
         done += chosen
-        # a point whose dominator failed (out of memory after all, say) is no longer beaten: run it
-        chosen = [
-            c for c in candidates if c.reason == "dominated" and c.dominator in done and c.dominator.seconds is None
-        ]
-        for c in chosen:
-            c.reason, c.why = None, ""
+        if exhaustive:
+            break
+        # a point that failed (out of memory after all, say) beats nothing: what only it beat runs now
+        failed, ran = {id(c) for c in done if c.seconds is None}, {id(c) for c in done}
+        _dominate(candidates, savers, failed)
+        chosen = sorted((c for c in candidates if c.reason is None and id(c) not in ran),
+                        key=lambda c: (c.cost.flops, c.cost.traffic))  # fmt: skip
         progress.total += len(chosen)
     contenders = [c for c in done if best and c.seconds is not None and c.seconds <= best.seconds * (1 + margin)]
     if confirm and len(contenders) > 1:
@@ -225,4 +236,4 @@ def search(
         if c.reason:
             counts[c.reason] = counts.get(c.reason, 0) + 1
     resumed = sum(c.resumed for c in done)
-    return Outcome(candidates, best, len(done) - resumed, resumed, counts)
+    return Outcome(candidates, best, len(done) - resumed, resumed, counts, record.ignored)

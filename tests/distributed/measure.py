@@ -1,7 +1,10 @@
 """What a real training step holds and moves on this rank: the measurement ``tools/explain.py``
 is tested against.
 
-- memory: the engine's own report (weights, gradients and optimizer state as built);
+- memory: the engine's own report (weights, gradients and optimizer state as built), and the
+  most weight bytes held whole at once (``gathered``: read whenever autograd saves or uses a
+  tensor; a ZeRO-3 weight is empty while released, an FSDP2 layer's weights are DTensor shards
+  while resharded);
 - activations: the bytes autograd saves for backward during one step, each storage once,
   parameters excluded, per micro-batch (every tensor saved is kept alive until the step ends, so
   that no freed storage is reused and counted twice);
@@ -13,6 +16,7 @@ is tested against.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_slapo.parallel.comm_log import CommLog
@@ -22,10 +26,11 @@ from megatron_slapo.tuning.trial import step_batches
 
 
 def _parameters(engine) -> list[torch.nn.Parameter]:
+    """The engine's weights, each once (DeepSpeed's engine and the module it wraps share them)."""
     modules = [m for m in vars(engine).values() if isinstance(m, torch.nn.Module)]
     modules += [c for chunks in vars(engine).values() if isinstance(chunks, list)
                 for c in chunks if isinstance(c, torch.nn.Module)]  # fmt: skip
-    return [p for m in modules for p in m.parameters()]
+    return list({id(p): p for m in modules for p in m.parameters()}.values())
 
 
 def _address(p: torch.Tensor) -> int | None:
@@ -38,12 +43,18 @@ def _address(p: torch.Tensor) -> int | None:
 def measure(task: str, argv: list[str]) -> dict:
     """One training step of ``pretrain_<task>.py <argv>`` on every rank; this rank's measurements."""
     run = setup(parse_args(task, argv))
-    kept, saved = [], {}
+    kept, saved, gathered = [], {}, [0]
+
+    def held_whole() -> list[torch.nn.Parameter]:
+        weights = _parameters(run.engine)  # read at each save and use: ZeRO-3 and FSDP gather
+        whole = sum(p.numel() * p.element_size() for p in weights if not isinstance(p, DTensor))
+        gathered[0] = max(gathered[0], whole)
+        return weights
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr not in {_address(p) for p in _parameters(run.engine)}:  # read at each save: ZeRO-3 and FSDP gather
+        if ptr not in {_address(p) for p in held_whole()}:
             saved[ptr] = storage.nbytes()
             kept.append(t)
         return t
@@ -53,11 +64,15 @@ def measure(task: str, argv: list[str]) -> dict:
         micro = next_step()
         log = CommLog().install()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), FlopCounterMode(display=False) as flops:
+            with (
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: held_whole() and t),
+                FlopCounterMode(display=False) as flops,
+            ):
                 run.engine.train_step(micro, run.task)
             comm = log.take()
         finally:
             log.uninstall()
     layout = run.layout
-    return {"coordinates": (layout.tp_rank, layout.pp_rank, layout.dp_rank), "memory": run.engine.memory_report(),
+    memory = {**run.engine.memory_report(), "gathered": gathered[0]}
+    return {"coordinates": (layout.tp_rank, layout.pp_rank, layout.dp_rank), "memory": memory,
             "activations": sum(saved.values()) / len(micro), "comm": comm, "flops": flops.get_total_flops()}  # fmt: skip

@@ -52,6 +52,9 @@ def test_explain_is_within_ten_percent_of_a_real_step(case, shared_tmp, cache):
     estimated = {tuple(r["coordinates"])[1]: r for r in plan["ranks"]}[measured["coordinates"][1]]
     for part in ("params", "grads", "optimizer"):
         _close(estimated["memory"][part], measured["memory"][part], part)
+    if "zero-stage" in " ".join(argv) and "gathered" in estimated["memory"]:  # ZeRO-3: every weight held whole
+        # (FSDP's estimate counts the layer it prefetches, which waits in FSDP's buffers, out of the module's sight)
+        _close(estimated["memory"]["gathered"], measured["memory"]["gathered"], "weights held whole")
     assert measured["activations"] > 0 and measured["comm"]
     _close(estimated["activations"], measured["activations"], "activation bytes per micro-batch")
     _close(estimated["flops"], measured["flops"], "FLOPs per step")
