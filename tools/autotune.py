@@ -73,10 +73,13 @@ def gpt_space(world: int, layers: int | None, heads: int | None, global_batch: i
     def dp(point: Point) -> int:
         return world // (point["tp"] * point["pp"])
 
+    def divides(size: int, total: int | None) -> bool:
+        return total is None or total % size == 0
+
     space = Space()
-    space.symbol("tp", [t for t in ask.tp or range(1, world + 1) if world % t == 0 and (heads or t) % t == 0])
+    space.symbol("tp", [t for t in ask.tp or range(1, world + 1) if world % t == 0 and divides(t, heads)])
     space.symbol("pp", lambda p: [s for s in ask.pp or range(1, world // p["tp"] + 1)
-                                  if (world // p["tp"]) % s == 0 and (layers or s) % s == 0])  # fmt: skip
+                                  if divides(s, world // p["tp"]) and divides(s, layers)])  # fmt: skip
     space.symbol("sp", lambda p: [v for v in (False, True) if v in ask.sp and (not v or p["tp"] > 1)])
     space.symbol("zero", lambda p: [z for z in ask.zero if z == 0 or (dp(p) > 1 and (z < 2 or p["pp"] == 1))])
     space.symbol("mbs", lambda p: [m for m in ask.micro_batch_sizes if (global_batch // dp(p)) % m == 0])

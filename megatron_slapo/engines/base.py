@@ -128,6 +128,13 @@ def tensor_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def adamw_state(weight_bytes: int) -> dict[str, int]:
+    """The state of an engine that keeps fp32 weights (``weight_bytes`` of them on this rank), fp32
+    gradients alike, and AdamW's two fp32 moments: DDP's and FSDP's :meth:`Engine.memory_report`
+    (also ``tools/explain.py``'s)."""
+    return {"params": weight_bytes, "grads": weight_bytes, "optimizer": 2 * weight_bytes}
+
+
 def autocast(args: argparse.Namespace, device: torch.device) -> contextlib.AbstractContextManager:
     """Megatron's ``--bf16``/``--fp16`` as autocast around the forward: fp32 master weights, matmuls
     in the low precision; a no-op in fp32."""

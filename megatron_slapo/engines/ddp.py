@@ -20,6 +20,7 @@ from megatron_slapo.engines.base import (
     Batch,
     StepResult,
     Task,
+    adamw_state,
     autocast,
     evaluate,
     tensor_bytes,
@@ -48,8 +49,7 @@ class DDPEngine:
 
     def memory_report(self) -> dict[str, int]:
         """Replicated: full (TP-local) fp32 weights and gradients; AdamW keeps two moments per weight."""
-        params = tensor_bytes(self.params)
-        return {"params": params, "grads": params, "optimizer": 2 * params}
+        return adamw_state(tensor_bytes(self.params))
 
     def train_step(self, microbatches: list[Batch], task: Task) -> StepResult:
         self.wrapped.train()

@@ -154,6 +154,17 @@ def _check_precision_supported(config: dict[str, Any]) -> None:
             )
 
 
+def zero_state(stage: int, local_weight_bytes: int, weight_bytes: int, master_numel: int) -> dict[str, int]:
+    """Bytes under ZeRO ``stage``: the weights stored here (``local_weight_bytes``: ZeRO-3's
+    partition, else all ``weight_bytes``); the gradients, a partition of fp32 ones from stage 2,
+    else all in the weights' dtype; the optimizer's ``master_numel`` fp32 master weights (from
+    stage 1) and AdamW's two moments over them. :meth:`DeepSpeedEngine.memory_report`'s, and
+    ``tools/explain.py``'s."""
+    master = 4 * master_numel
+    return {"params": local_weight_bytes, "grads": master if stage >= 2 else weight_bytes,
+            "optimizer": master * (3 if stage >= 1 else 2)}  # fmt: skip
+
+
 class DeepSpeedEngine:
     """``deepspeed.initialize`` around the built model; one ``train_step`` is one optimizer step."""
 
@@ -216,10 +227,8 @@ class DeepSpeedEngine:
         """Weights: this rank's ZeRO-3 partition (or all); gradients: a partition from stage 2; the
         optimizer: fp32 master weights (stages >= 1) and AdamW's two moments over its partition."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        master = self._master_numel() * 4
-        grads = master if self.stage >= 2 else tensor_bytes(params)
-        optimizer = 3 * master if self.stage >= 1 else 2 * master
-        return {"params": tensor_bytes([local_part(p) for p in params]), "grads": grads, "optimizer": optimizer}
+        local = tensor_bytes([local_part(p) for p in params])
+        return zero_state(self.stage, local, tensor_bytes(params), self._master_numel())
 
     def train_step(self, microbatches: list[Batch], task: Task) -> StepResult:
         steps = self.config["gradient_accumulation_steps"]

@@ -28,6 +28,7 @@ from megatron_slapo.engines.base import (
     Batch,
     StepResult,
     Task,
+    adamw_state,
     evaluate,
     tensor_bytes,
     to_device,
@@ -77,8 +78,7 @@ class FSDPEngine:
 
     def memory_report(self) -> dict[str, int]:
         """Weights, gradients (reduce-scattered) and AdamW's two moments: all this rank's shards."""
-        params = tensor_bytes([local_part(p) for p in self.params])
-        return {"params": params, "grads": params, "optimizer": 2 * params}
+        return adamw_state(tensor_bytes([local_part(p) for p in self.params]))
 
     def _norm(self, of_grads: bool = True) -> float:
         return global_norm(self.params, self.tp_group, of_grads=of_grads, partition_group=self.dp_group)

@@ -44,7 +44,6 @@ from megatron_slapo.engines.base import (
     Task,
     average_metrics,
     metrics_to_floats,
-    tensor_bytes,
     to_device,
 )
 from megatron_slapo.engines.stage_chunk import StageChunk, check_plan
@@ -58,6 +57,17 @@ PARAMETER_STATE = "distrib_optim.pt"  # Megatron-LM's file for the distributed o
 # Not actionable here: a default of TransformerConfig, and the missing apex (see the README's notes).
 warnings.filterwarnings("ignore", "full scope is deprecated", UserWarning)
 warnings.filterwarnings("ignore", "Apex is not installed", UserWarning)
+
+
+def megatron_state(args: argparse.Namespace, count: int, dp: int) -> dict[str, int]:
+    """Bytes of ``count`` weights on a rank of ``dp`` data-parallel ones: the weights in the
+    training dtype; the gradient buffers in fp32 or that dtype (:func:`megatron_fp32_grads`);
+    AdamW's fp32 moments, and with --bf16/--fp16 the fp32 main weights, a DP shard of it all with
+    the distributed optimizer. :meth:`MegatronEngine.memory_report`'s, and ``tools/explain.py``'s."""
+    half = half_precision(args) is not None
+    optimizer = count * 4 * (3 if half else 2)
+    return {"params": count * (2 if half else 4), "grads": count * (4 if megatron_fp32_grads(args) else 2),
+            "optimizer": optimizer // dp if args.use_distributed_optimizer else optimizer}  # fmt: skip
 
 
 class MegatronEngine:
@@ -305,16 +315,9 @@ class MegatronEngine:
 
     # -- accounting and checkpoints ----------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
-        """This rank's stages; the gradient buffers (fp32, or the training dtype: see
-        ``grads_in_fp32``); AdamW's fp32 moments, and with --bf16/--fp16 the fp32 main weights (a DP
-        shard of them with the distributed optimizer)."""
-        weights = [p for chunk in self.chunks for p in chunk.parameters()]
-        count = sum(p.numel() for p in weights)
-        optimizer = count * 4 * (3 if self.dtype != torch.float32 else 2)
-        if self.args.use_distributed_optimizer:
-            optimizer //= group_size(self.dp_group)
-        grads = count * (4 if self.grads_in_fp32 else 2)
-        return {"params": tensor_bytes(weights), "grads": grads, "optimizer": optimizer}
+        """This rank's stages, as :func:`megatron_state` counts them."""
+        count = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
+        return megatron_state(self.args, count, group_size(self.dp_group))
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         state: dict[str, torch.Tensor] = {}

@@ -93,12 +93,15 @@ def initialize(
     seed: int = 1234,
     backend: str | None = None,
     timeout_minutes: int = 30,
+    gloo_side_groups: bool = True,
 ) -> None:
     """Start distributed training with ``tensor_parallel`` x ``pipeline_parallel`` model parallelism.
 
     The remaining factor of the world size is data parallelism. Works under ``torchrun`` (reads
     RANK/WORLD_SIZE/MASTER_ADDR) and as a plain single process. Uses NCCL when CUDA is available and
-    gloo otherwise, in which case megatron-core's CPU shims are applied first.
+    gloo otherwise, in which case megatron-core's CPU shims are applied first. A process group
+    already started is kept (:func:`simulate` starts a fake one). ``gloo_side_groups``:
+    megatron-core's gloo copies of its data-parallel groups.
     """
     if tensor_parallel < 1 or pipeline_parallel < 1:
         raise ValueError(f"parallel sizes must be >= 1, got tensor={tensor_parallel} pipeline={pipeline_parallel}")
@@ -130,6 +133,7 @@ def initialize(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
         distributed_timeout_minutes=timeout_minutes,
+        create_gloo_process_groups=gloo_side_groups,
     )
     rng.seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
 
@@ -142,21 +146,13 @@ def simulate(world_size: int, rank: int, tensor_parallel: int = 1, pipeline_para
     on meta tensors, whatever the cluster. megatron-core's gloo side groups are not created (the
     fake backend cannot host them); nothing that plans uses them.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not torch.cuda.is_available():
-        from megatron_slapo.parallel import cpu_compat
-
-        cpu_compat.apply()
-    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers "fake"
 
     if dist.is_initialized() and dist.get_backend() != "fake":
         raise RuntimeError("parallel.simulate() plans in a process of its own: this one runs a process group")
     destroy()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                 pipeline_model_parallel_size=pipeline_parallel, create_gloo_process_groups=False)  # fmt: skip
-    rng.seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
+    initialize(tensor_parallel, pipeline_parallel, seed=seed, gloo_side_groups=False)
 
 
 def destroy() -> None:

@@ -36,6 +36,9 @@ from torch.utils.flop_counter import FlopCounterMode
 import megatron_slapo as ms
 from megatron_slapo import parallel
 from megatron_slapo.data.samplers import data_loader
+from megatron_slapo.engines.base import adamw_state
+from megatron_slapo.engines.deepspeed_zero import deepspeed_config, zero_state
+from megatron_slapo.engines.megatron_core import megatron_state
 from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.tracing.meta_fixes import experts_on_meta, unpacked_on_meta
@@ -116,7 +119,7 @@ def _leaf(value: torch.Tensor) -> torch.Tensor:
 
 def _run_stages(model: PipelineStages, plan: Plan, batch: dict, meter: _Meter) -> list[int]:
     """Forward stage by stage, each from a leaf of what crossed its cut, then backward in reverse,
-    each from the gradients of what it sent. Returns the bytes that cross each cut."""
+    each from the gradients of what it sent. Returns the elements megatron-core sends over each cut."""
     kwargs = plan.task.inputs(batch)
     inputs = model.later_inputs(**kwargs)
     sent, received = [], []
@@ -170,10 +173,11 @@ class _Weights:
         return sum(self.sizes)
 
 
-def zero_stage(args: argparse.Namespace, dp: int) -> int:
-    """DeepSpeed's ZeRO stage: ``--zero-stage`` or the ``--deepspeed-config``'s (default 1)."""
-    from megatron_slapo.engines.deepspeed_zero import deepspeed_config
-
+def zero_stage(args: argparse.Namespace, dp: int) -> int | None:
+    """DeepSpeed's ZeRO stage (``--zero-stage``, or the ``--deepspeed-config``'s; default 1), or
+    None on another engine."""
+    if args.engine != "deepspeed":
+        return None
     return deepspeed_config(args, dp)["zero_optimization"]["stage"]
 
 
@@ -189,38 +193,32 @@ def _grad_bytes(args: argparse.Namespace) -> int:
     return _weight_bytes(args)  # DeepSpeed reduces in the model's dtype; DDP and FSDP in fp32
 
 
-def _state_bytes(args: argparse.Namespace, w: _Weights, dp: int) -> dict[str, int]:
-    """Weights, gradients and optimizer state: 4 bytes a weight in fp32, and AdamW's two fp32
-    moments; with --bf16/--fp16, half-precision weights (on the engines that convert the model)
-    plus an fp32 master copy. Sharded over ``dp`` where the engine shards: FSDP everything,
-    ZeRO-1/2/3 the optimizer, from 2 the gradients, at 3 the weights, megatron-core's distributed
-    optimizer the optimizer. ``gathered``: whole weights held while they are used (FSDP's root and
-    two layers, the current and the prefetched; ZeRO-3's, kept from forward to backward)."""
-    half = half_precision(args) is not None
+def _state_bytes(args: argparse.Namespace, w: _Weights, dp: int, stage: int | None) -> dict[str, int]:
+    """Weights, gradients and optimizer state, counted by each engine's own accounting (the one its
+    memory report uses) for this rank's share of ``w``: FSDP shards everything over ``dp``, ZeRO
+    from the optimizer (1) to the weights (3), megatron-core's distributed optimizer the optimizer.
+    ``gathered``: whole weights held while they are used (FSDP's root and two layers, the current
+    and the prefetched; ZeRO-3's, kept from forward to backward)."""
     numel, shard = w.numel, math.ceil(w.numel / dp)
-    if args.engine in ("ddp", "fsdp"):  # fp32 weights (autocast or FSDP's mixed-precision policy computes in half)
-        if args.engine == "ddp":
-            return {"params": 4 * numel, "grads": 4 * numel, "optimizer": 8 * numel}
-        unsharded = (numel - w.in_layers + 2 * w.largest_layer) * (2 if half else 4) if dp > 1 else 0
-        return {"params": 4 * shard, "grads": 4 * shard, "optimizer": 8 * shard, "gathered": unsharded}
+    if args.engine == "ddp":
+        return adamw_state(4 * numel)
+    if args.engine == "fsdp":  # fp32 shards, gathered in the compute dtype
+        gathered = (numel - w.in_layers + 2 * w.largest_layer) * (2 if half_precision(args) else 4) if dp > 1 else 0
+        return {**adamw_state(4 * shard), "gathered": gathered}
     if args.engine == "megatron":
-        optimizer = numel * 4 * (3 if half else 2)
-        return {"params": numel * _weight_bytes(args), "grads": numel * _grad_bytes(args),
-                "optimizer": optimizer // dp if args.use_distributed_optimizer else optimizer}  # fmt: skip
-    stage, weight = zero_stage(args, dp), _weight_bytes(args)
-    master = shard if stage >= 1 else numel
-    state = {"params": weight * (shard if stage == 3 else numel), "grads": 4 * master if stage >= 2 else weight * numel,
-             "optimizer": 4 * master * (3 if stage >= 1 else 2)}  # fmt: skip
+        return megatron_state(args, numel, dp)
+    weight = _weight_bytes(args)
+    state = zero_state(stage, weight * (shard if stage == 3 else numel), weight * numel, shard if stage else numel)
     if stage == 3 and dp > 1:
         state["gathered"] = weight * min(numel, DEEPSPEED_MAX_LIVE)
     return state
 
 
-def _engine_comm(args: argparse.Namespace, w: _Weights, dp: int, micro: int) -> Counter[str]:
+def _engine_comm(args: argparse.Namespace, w: _Weights, dp: int, micro: int, stage: int | None) -> Counter[str]:
     """The collectives the engine adds around the model, per step (whole payloads: every rank's
     weights or gradients, as ``--log-comm`` counts them): the data-parallel ones, and the sum of
     sequence parallelism's partial gradients over the tensor-parallel ranks."""
-    comm = _data_parallel_comm(args, w, dp, micro)
+    comm = _data_parallel_comm(args, w, dp, micro, stage)
     if w.partial and args.tensor_model_parallel_size > 1:
         shards = dp if args.engine == "fsdp" else 1  # FSDP sums each rank's shard
         times = micro if args.engine == "deepspeed" else 1  # ZeRO: in its backward hooks
@@ -228,7 +226,7 @@ def _engine_comm(args: argparse.Namespace, w: _Weights, dp: int, micro: int) -> 
     return comm
 
 
-def _data_parallel_comm(args: argparse.Namespace, w: _Weights, dp: int, micro: int) -> Counter[str]:
+def _data_parallel_comm(args: argparse.Namespace, w: _Weights, dp: int, micro: int, stage: int | None) -> Counter[str]:
     comm: Counter[str] = Counter()
     if dp == 1:
         return comm
@@ -245,7 +243,7 @@ def _data_parallel_comm(args: argparse.Namespace, w: _Weights, dp: int, micro: i
             comm["all_gather_single[dp-cp]"] += weights
         else:
             comm["all_reduce[dp-cp]"] += grads
-    elif (stage := zero_stage(args, dp)) == 3:
+    elif stage == 3:
         # A weight is gathered at its first use in each micro-batch and kept to its backward while
         # all fit DeepSpeed's live limit (else gathered again for the backward); weights of at most
         # DEEPSPEED_PERSISTENT elements stay whole between micro-batches and are gathered once a step.
@@ -301,7 +299,8 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
     comm: Counter[str] = Counter()
     for k in local:
         comm.update({key: micro * value for key, value in meter.comm.get(k, {}).items()})
-    comm.update(_engine_comm(args, weights, dp, micro))
+    stage = zero_stage(args, dp)  # reads --deepspeed-config: once
+    comm.update(_engine_comm(args, weights, dp, micro, stage))
     activations = sum(meter.saved[k] for k in local)
     in_flight, bubble = 1, 0.0
     if isinstance(model, PipelineStages):
@@ -324,7 +323,7 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
         bubble = (pp - 1) / (chunks * micro + pp - 1)
     return RankEstimate(
         rank=rank, coordinates=(layout.tp_rank, layout.pp_rank, layout.dp_rank), stages=local,
-        memory=_state_bytes(args, weights, dp), activations=activations, in_flight=in_flight,
+        memory=_state_bytes(args, weights, dp, stage), activations=activations, in_flight=in_flight,
         comm=dict(sorted(comm.items())), flops=micro * sum(meter.flops[k] for k in local), micro_batches=micro,
         bubble=bubble, schedule=text,
     )  # fmt: skip

@@ -115,7 +115,6 @@ class Plan:
     sch: Any  # the Schedule, on the meta device
     stages: int  # pipeline stages (virtual ones included)
     datasets: tuple
-    flops: float  # training FLOPs per token (per image)
     model_class: str
     metadata_vocab: Any
     resume_path: str | None  # the checkpoint --load resumes from (not looked for when simulating)
@@ -158,10 +157,6 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     model = create_model(args, config)
     if isinstance(task, GPTTask):
         task.attention = model.config._attn_implementation  # the form of the 4D mask it takes
-    if isinstance(task, VisionTask):
-        flops = flops_per_image(auto_class(args), config, args.img_h, args.img_w)
-    else:
-        flops = flops_per_token(auto_class(args), config, args.seq_length, getattr(args, "decoder_seq_length", None))
     metadata_vocab, model_class = vocab_parameter_names(model), type(model).__name__
     sch = ms.create_schedule(model)
     stages = pipeline_stages(args, config.num_hidden_layers)
@@ -206,8 +201,7 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
         )
         print_rank_0(f" > note: --schedule {args.schedule} shards over --tensor-model-parallel-size 1, i.e. not at all; "
                      f"the {world} ranks are {ranks} ranks")  # fmt: skip
-    return Plan(args, task, config, layout, sch, stages, datasets, flops, model_class, metadata_vocab, resume_path,
-                started)  # fmt: skip
+    return Plan(args, task, config, layout, sch, stages, datasets, model_class, metadata_vocab, resume_path, started)
 
 
 def setup(args: argparse.Namespace) -> Run:
@@ -240,11 +234,13 @@ def setup(args: argparse.Namespace) -> Run:
         print_rank_0(
             f" > WARNING: no checkpoint in {args.load} yet ({checkpointing.LATEST} not found): starting from scratch"
         )
-    if isinstance(task, VisionTask):
+    if isinstance(task, VisionTask):  # model FLOPs for the log line's TFLOP/s and MFU
         unit, per_iteration = "samples", args.global_batch_size
+        flops = flops_per_image(auto_class(args), config, args.img_h, args.img_w)
     else:
         unit, per_iteration = "tokens", args.global_batch_size * args.seq_length
-    reporter = Reporter(args, plan.flops * per_iteration, per_iteration, device_peak_tflops(args.peak_tflops), unit)
+        flops = flops_per_token(auto_class(args), config, args.seq_length, getattr(args, "decoder_seq_length", None))
+    reporter = Reporter(args, flops * per_iteration, per_iteration, device_peak_tflops(args.peak_tflops), unit)
     return Run(args, task, engine, layout, resume, plan.datasets, reporter, metadata, plan.started)
 
 

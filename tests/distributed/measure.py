@@ -59,13 +59,17 @@ def measure(task: str, argv: list[str]) -> dict:
             kept.append(t)
         return t
 
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        held_whole()  # in the backward too: a weight gathered again for it counts
+        return t
+
     with step_batches(run) as next_step:
         run.engine.train_step(next_step(), run.task)  # a first step: ZeRO-3 records its gathering order in it
         micro = next_step()
         log = CommLog().install()
         try:
             with (
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: held_whole() and t),
+                torch.autograd.graph.saved_tensors_hooks(pack, unpack),
                 FlopCounterMode(display=False) as flops,
             ):
                 run.engine.train_step(micro, run.task)
