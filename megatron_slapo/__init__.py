@@ -14,8 +14,8 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 from megatron_slapo.build import build  # noqa: E402
 from megatron_slapo.errors import SchedulingError  # noqa: E402
 from megatron_slapo.models import MODEL_CLASSES  # noqa: E402,F401  (registers them with transformers' Auto classes)
-from megatron_slapo.primitives.registry import list_primitives, register_primitive  # noqa: E402
-from megatron_slapo.schedule import Schedule, create_schedule  # noqa: E402
+from megatron_slapo.primitives.registry import list_primitives  # noqa: E402
+from megatron_slapo.schedule import Schedule, create_schedule, register_primitive  # noqa: E402
 from megatron_slapo.verify import VerificationError, Verify  # noqa: E402
 
 __version__ = "0.1.0"

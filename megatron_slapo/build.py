@@ -26,10 +26,11 @@ from megatron_slapo.errors import SchedulingError
 from megatron_slapo.graph_edit import why_never_called
 from megatron_slapo.init_tree import init_tree, originals_see_live, units
 from megatron_slapo.materialize import InitFn, Materializer
+from megatron_slapo.metadata import Role
 from megatron_slapo.parallel.collectives import comm_device
 from megatron_slapo.parallel.random import get_rng_tracker
 from megatron_slapo.primitives.compile import apply_compiles
-from megatron_slapo.primitives.placement import Role, linear_axes
+from megatron_slapo.primitives.placement import linear_axes
 from megatron_slapo.schedule import Schedule
 
 

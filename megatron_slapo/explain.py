@@ -14,14 +14,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 
 def _op_name(op: str | Callable[..., Any]) -> str:
     return op if isinstance(op, str) else getattr(op, "__name__", type(op).__name__)
 
 
-def applied(node: Schedule) -> list[str]:
+def applied(node: ScheduleNode) -> list[str]:
     """What the primitives recorded on ``node``, in words (empty when nothing was applied)."""
     meta, items = node.metadata, []
     if meta.replaced:
@@ -44,7 +44,7 @@ def applied(node: Schedule) -> list[str]:
     return items
 
 
-def explain(sch: Schedule) -> str:
+def explain(sch: ScheduleNode) -> str:
     """The report described in the module docstring."""
     groups: dict[tuple[str, str], list[str]] = {}  # (path with layer indices as *, what) -> paths
     for path, node in sch.named_schedules():

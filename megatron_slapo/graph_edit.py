@@ -20,7 +20,7 @@ from megatron_slapo.tracing import CallGuard
 from megatron_slapo.tracing.module_shape import UNUSED
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 
 def graph_order(graph: fx.Graph) -> dict[fx.Node, int]:
@@ -224,7 +224,7 @@ def module_call_sites(owner: fx.GraphModule, exclude: set[fx.Node] = frozenset()
     return sites
 
 
-def why_never_called(node: Schedule) -> str | None:
+def why_never_called(node: ScheduleNode) -> str | None:
     """Why ``node``'s module is never called as a module when the model runs, or ``None``.
 
     Below a traced level, a module runs only if that level's graph calls it (or calls an untraced

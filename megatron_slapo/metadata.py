@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from megatron_slapo.primitives.placement import Role
+
+class Role(enum.Enum):
+    """What sharding a known layer's weight makes it (see :mod:`megatron_slapo.primitives.placement`)."""
+
+    COLUMN = "column"  # output features partitioned; input replicated
+    ROW = "row"  # input features partitioned; output is a partial sum
+    VOCAB = "vocab"  # embedding rows partitioned; output is a partial sum; input is token ids
+    EMBEDDING_COLUMN = "embedding-column"  # embedding features partitioned; input is token ids
+
+    @property
+    def output_is_partial(self) -> bool:
+        return self in (Role.ROW, Role.VOCAB)
 
 
 @dataclass

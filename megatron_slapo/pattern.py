@@ -30,14 +30,14 @@ from transformers import activations as hf_act
 from transformers.pytorch_utils import Conv1D
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 
 @dataclass
 class Subgraph:
     """Nodes of one traced graph found by ``find``, with the values flowing in and out."""
 
-    owner: Schedule  # the schedule node whose module is the GraphModule holding the nodes
+    owner: ScheduleNode  # the schedule node whose module is the GraphModule holding the nodes
     nodes: list[fx.Node]  # in graph order
     inputs: list[fx.Node]  # in the pattern's argument order
     outputs: list[fx.Node]  # in the pattern's output order
@@ -195,14 +195,14 @@ class _Matcher:
             yield env
 
 
-def _traced_levels(sch: Schedule) -> list[Schedule]:
+def _traced_levels(sch: ScheduleNode) -> list[ScheduleNode]:
     levels = [node for _, node in sch.named_schedules() if isinstance(node.mod, fx.GraphModule)]
     if not levels:
         raise sch._error("find() searches traced graphs: trace() this module first")
     return levels
 
 
-def find_regex(sch: Schedule, regex: str | re.Pattern) -> list[Subgraph]:
+def find_regex(sch: ScheduleNode, regex: str | re.Pattern) -> list[Subgraph]:
     """Every ``call_module`` node (in this module's traced graphs) whose path matches ``regex``."""
     regex = re.compile(regex) if isinstance(regex, str) else regex
     found = []
@@ -216,7 +216,7 @@ def find_regex(sch: Schedule, regex: str | re.Pattern) -> list[Subgraph]:
     return found
 
 
-def find_pattern(sch: Schedule, pattern: Callable | nn.Module) -> list[Subgraph]:
+def find_pattern(sch: ScheduleNode, pattern: Callable | nn.Module) -> list[Subgraph]:
     """Every non-overlapping occurrence of ``pattern``'s computation in this module's traced graphs."""
     pattern_gm = fx.symbolic_trace(pattern)
     found = []

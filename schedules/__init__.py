@@ -1,6 +1,6 @@
 """Named, model-specific schedules. ``--schedule NAME`` applies ``SCHEDULES[NAME].apply(sch, config, args)``.
 
-Each module is a few lines: a tensor-parallel plan (see ``megatron_slapo/parallel/plans.py``) and
+Each module is a few lines: a tensor-parallel plan (see ``megatron_slapo/plans/styles.py``) and
 whatever primitives the model needs beyond sharding. Add a schedule by writing the module and
 adding it here.
 """

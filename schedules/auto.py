@@ -1,6 +1,6 @@
 """Megatron-style tensor parallelism from the TP plan transformers publishes (the families verified).
 
-Reads ``base_model_tp_plan`` (see ``megatron_slapo/parallel/hf_plan.py``): one input-gradient
+Reads ``base_model_tp_plan`` (see ``megatron_slapo/plans/hf_plan.py``): one input-gradient
 all-reduce per attention block and per MLP, every expert of an MoE block split by its features
 (``parallel/experts.py``), vocabulary-parallel embedding, LM head and loss. Without ``--schedule``,
 the families listed here that have no schedule of their own get this one.
@@ -8,10 +8,10 @@ the families listed here that have no schedule of their own get this one.
 
 from typing import Any
 
-from megatron_slapo.kernels.drop_in import swap_in_kernels
-from megatron_slapo.parallel.hf_plan import check_regions, plan_from_hf
-from megatron_slapo.parallel.plans import apply_plan
-from megatron_slapo.parallel.sequence import plan_for
+from megatron_slapo.plans.hf_plan import check_regions, plan_from_hf
+from megatron_slapo.plans.kernel_swap import swap_in_kernels
+from megatron_slapo.plans.sequence import plan_for
+from megatron_slapo.plans.styles import apply_plan
 from megatron_slapo.schedule import Schedule
 
 # The families verified against their unscheduled model (tests/distributed/test_auto.py runs each);

@@ -10,8 +10,9 @@ can reduce q, k and v together: they reduce their input gradients each.
 
 from typing import Any
 
-from megatron_slapo.kernels.drop_in import swap_in_kernels
-from megatron_slapo.parallel.plans import (
+from megatron_slapo.plans.kernel_swap import swap_in_kernels
+from megatron_slapo.plans.sequence import GatherSequence, SplitAlongSequence, plan_for
+from megatron_slapo.plans.styles import (
     ColumnParallel,
     HeadParallelDropout,
     ParallelRegionInput,
@@ -20,7 +21,6 @@ from megatron_slapo.parallel.plans import (
     VocabParallelHead,
     apply_plan,
 )
-from megatron_slapo.parallel.sequence import GatherSequence, SplitAlongSequence, plan_for
 from megatron_slapo.schedule import Schedule
 
 MODEL_TYPES = ("bert", "roberta", "albert")  # HF config.model_type values this schedule is written for

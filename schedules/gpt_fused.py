@@ -7,7 +7,7 @@ recomputes the first ``R`` of the layers; see ``tools/bench.py`` for what it gai
 
 from typing import Any
 
-from megatron_slapo.kernels.drop_in import swap_in_kernels
+from megatron_slapo.plans.kernel_swap import swap_in_kernels
 from megatron_slapo.schedule import Schedule
 
 MODEL_TYPES = ("gpt2",)  # HF config.model_type values this schedule is written for

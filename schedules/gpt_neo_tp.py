@@ -1,6 +1,8 @@
 """Megatron-style tensor parallelism for HF GPT-Neo (GPTNeoForCausalLM)."""
 
-from megatron_slapo.parallel.plans import (
+from megatron_slapo.plans.kernel_swap import swap_in_kernels
+from megatron_slapo.plans.sequence import SplitAlongSequence, plan_schedule
+from megatron_slapo.plans.styles import (
     ColumnParallel,
     HeadParallelDropout,
     LocalHeads,
@@ -9,7 +11,6 @@ from megatron_slapo.parallel.plans import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from megatron_slapo.parallel.sequence import SplitAlongSequence, plan_schedule
 
 MODEL_TYPES = ("gpt_neo",)  # HF config.model_type values this schedule is written for
 
@@ -24,4 +25,4 @@ PLAN = {
     "transformer.ln_f": SplitAlongSequence(gather_output=True),  # under --sequence-parallel: split, then gathered
     "lm_head": VocabParallelHead(),
 }
-apply = plan_schedule(PLAN)
+apply = plan_schedule(PLAN, swap_in_kernels)

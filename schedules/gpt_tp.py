@@ -7,7 +7,9 @@ Attention-probability dropout draws from the model-parallel RNG stream (each ran
 masks); the residual dropout, on replicated activations, from the stream all ranks share.
 """
 
-from megatron_slapo.parallel.plans import (
+from megatron_slapo.plans.kernel_swap import swap_in_kernels
+from megatron_slapo.plans.sequence import SplitAlongSequence, plan_schedule
+from megatron_slapo.plans.styles import (
     ColumnParallel,
     HeadParallelDropout,
     LocalHeads,
@@ -15,7 +17,6 @@ from megatron_slapo.parallel.plans import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from megatron_slapo.parallel.sequence import SplitAlongSequence, plan_schedule
 
 MODEL_TYPES = ("gpt2",)  # HF config.model_type values this schedule is written for
 
@@ -29,4 +30,4 @@ PLAN = {
     "transformer.ln_f": SplitAlongSequence(gather_output=True),  # under --sequence-parallel: split, then gathered
     "lm_head": VocabParallelHead(),
 }
-apply = plan_schedule(PLAN)
+apply = plan_schedule(PLAN, swap_in_kernels)

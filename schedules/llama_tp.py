@@ -1,6 +1,8 @@
 """Megatron-style tensor parallelism for HF Llama (LlamaForCausalLM), grouped-query attention included."""
 
-from megatron_slapo.parallel.plans import (
+from megatron_slapo.plans.kernel_swap import swap_in_kernels
+from megatron_slapo.plans.sequence import SplitAlongSequence, plan_schedule
+from megatron_slapo.plans.styles import (
     ColumnParallel,
     HeadParallelDropout,
     ParallelRegionInput,
@@ -8,7 +10,6 @@ from megatron_slapo.parallel.plans import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from megatron_slapo.parallel.sequence import SplitAlongSequence, plan_schedule
 
 MODEL_TYPES = ("llama",)  # HF config.model_type values this schedule is written for
 
@@ -24,4 +25,4 @@ PLAN = {
     "model.norm": SplitAlongSequence(gather_output=True),  # under --sequence-parallel: split, then gathered
     "lm_head": VocabParallelHead(),
 }
-apply = plan_schedule(PLAN)
+apply = plan_schedule(PLAN, swap_in_kernels)

@@ -1,6 +1,8 @@
 """Megatron-style tensor parallelism for HF OPT (OPTForCausalLM)."""
 
-from megatron_slapo.parallel.plans import (
+from megatron_slapo.plans.kernel_swap import swap_in_kernels
+from megatron_slapo.plans.sequence import SplitAlongSequence, plan_schedule
+from megatron_slapo.plans.styles import (
     ColumnParallel,
     HeadParallelDropout,
     LocalHeads,
@@ -9,7 +11,6 @@ from megatron_slapo.parallel.plans import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from megatron_slapo.parallel.sequence import SplitAlongSequence, plan_schedule
 
 MODEL_TYPES = ("opt",)  # HF config.model_type values this schedule is written for
 
@@ -26,4 +27,4 @@ PLAN = {
     "model.decoder.{final_layer_norm,project_out}?": SplitAlongSequence(gather_output=True),
     "lm_head": VocabParallelHead(),
 }
-apply = plan_schedule(PLAN)
+apply = plan_schedule(PLAN, swap_in_kernels)

@@ -8,7 +8,9 @@ of that input's gradient, as Megatron's fused key-value projection. The FFN's wi
 as one GEMM, when gated) are column-parallel and wo row-parallel. LayerNorms replicate.
 """
 
-from megatron_slapo.parallel.plans import (
+from megatron_slapo.plans.kernel_swap import swap_in_kernels
+from megatron_slapo.plans.sequence import plan_schedule
+from megatron_slapo.plans.styles import (
     ColumnParallel,
     ColumnParallelEmbedding,
     HeadParallelDropout,
@@ -18,7 +20,6 @@ from megatron_slapo.parallel.plans import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from megatron_slapo.parallel.sequence import plan_schedule
 
 MODEL_TYPES = ("t5",)  # HF config.model_type values this schedule is written for
 
@@ -41,4 +42,4 @@ PLAN = {
     f"{LAYER}.*.DenseReluDense.wo": RowParallel(),
     "lm_head": VocabParallelHead(causal=False),
 }
-apply = plan_schedule(PLAN)
+apply = plan_schedule(PLAN, swap_in_kernels)

@@ -9,10 +9,10 @@ the replicated region in the middle of each block is split along the batch inste
 normalising with the statistics of the whole batch, synchronised across the tensor-parallel group.
 """
 
-from megatron_slapo.parallel.channels import ChannelParallelNorm, GatherChannels, ShortcutChannels
-from megatron_slapo.parallel.plans import ColumnParallel, ParallelRegionInput, RowParallel
-from megatron_slapo.parallel.sequence import plan_schedule
-from megatron_slapo.parallel.sync_batchnorm import BatchStatistics
+from megatron_slapo.plans.channels import ChannelParallelNorm, GatherChannels, ShortcutChannels
+from megatron_slapo.plans.sequence import plan_schedule
+from megatron_slapo.plans.styles import ColumnParallel, ParallelRegionInput, RowParallel
+from megatron_slapo.plans.sync_batchnorm import BatchStatistics
 
 MODEL_TYPES = ("wideresnet",)  # HF config.model_type values this schedule is written for
 

@@ -152,7 +152,7 @@ def samples_args(*extra, world=2):
 def test_train_samples_set_the_iterations_and_the_lr_schedule_runs_in_samples():
     import torch
 
-    from megatron_slapo.training.optimizer import build_scheduler
+    from megatron_slapo.engines.optimizer import build_scheduler
 
     args = samples_args("--train-samples", "43", "--lr-warmup-samples", "6", "--lr-decay-samples", "30",
                         "--lr-decay-style", "linear")  # fmt: skip
@@ -209,7 +209,7 @@ def test_trainer_flag_contradictions_are_one_clear_error(extra, message):
 
 
 def test_loss_scale_flags_drive_the_dynamic_scaler():
-    from megatron_slapo.training.loss_scaler import loss_scaler_for
+    from megatron_slapo.engines.loss_scaler import loss_scaler_for
 
     scaler = loss_scaler_for(args_for("--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "3",
                                       "--hysteresis", "2", "--min-loss-scale", "256"))  # fmt: skip

@@ -123,7 +123,8 @@ def test_a_pretrained_model_of_the_wrong_kind_is_refused(task, config, message, 
 
 def test_checkpoint_errors_say_what_is_wrong_and_how_to_reshard(tmp_path):
     from megatron_slapo.errors import CheckpointError
-    from megatron_slapo.training.checkpointing import LATEST, Layout, checkpoint_file
+    from megatron_slapo.parallel.state import Layout
+    from megatron_slapo.training.checkpointing import LATEST, checkpoint_file
 
     tp2 = Layout(tp_rank=0, tp_size=2, pp_rank=0, pp_size=1, dp_rank=0, dp_group=None)
     (tmp_path / LATEST).write_text("20")

@@ -6,8 +6,9 @@ import shutil
 import pytest
 import torch
 
+from megatron_slapo.parallel.state import Layout
 from megatron_slapo.training import checkpointing
-from megatron_slapo.training.checkpointing import FILENAME, LATEST, Layout, commit, iteration_dir
+from megatron_slapo.training.checkpointing import FILENAME, LATEST, commit, iteration_dir
 
 LAYOUT = Layout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_group=None)
 

@@ -20,8 +20,8 @@ import megatron_slapo as ms
 from megatron_slapo.kernels import attention
 from megatron_slapo.kernels.cross_entropy import chunked_cross_entropy
 from megatron_slapo.kernels.drop_in import GeLU, RMSNorm
+from megatron_slapo.kernels.vocab import vocab_parallel_cross_entropy
 from megatron_slapo.parallel.random import seed
-from megatron_slapo.parallel.vocab import vocab_parallel_cross_entropy
 from schedules import get_schedule
 from tests.utils import require_compiler, tiny_bert_config, tiny_gpt2_config, tiny_llama_config
 

@@ -16,11 +16,12 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 import megatron_slapo as ms
 from megatron_slapo.errors import SchedulingError
 from megatron_slapo.kernels import cross_entropy
+from megatron_slapo.kernels.compiled import compiler_problem
 from megatron_slapo.kernels.cross_entropy import chunked_cross_entropy
-from megatron_slapo.kernels.drop_in import GeLU, RMSNorm, swap_in_kernels
+from megatron_slapo.kernels.drop_in import GeLU, RMSNorm
+from megatron_slapo.kernels.vocab import VocabParallelLMLoss
 from megatron_slapo.parallel.random import seed
-from megatron_slapo.parallel.vocab import VocabParallelLMLoss
-from megatron_slapo.primitives.compile import compiler_problem
+from megatron_slapo.plans.kernel_swap import swap_in_kernels
 from schedules import llama_tp
 from tests.utils import require_compiler, tiny_gpt2_config, tiny_llama_config
 

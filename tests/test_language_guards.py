@@ -11,9 +11,9 @@ from transformers.pytorch_utils import Conv1D
 import megatron_slapo as ms
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels.linear import DecomposedLinear
+from megatron_slapo.module_surgery import base_forward
 from megatron_slapo.parallel.random import RNGStatesTracker, get_rng_tracker, seed
-from megatron_slapo.primitives.forward import base_forward
-from megatron_slapo.primitives.shard import RowParallelForward
+from megatron_slapo.primitives.sync import RowParallelForward
 
 X = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
 

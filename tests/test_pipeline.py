@@ -10,8 +10,9 @@ import transformers
 from torch import nn
 
 import megatron_slapo as ms
+from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.pipeline import PipelineStages
-from megatron_slapo.training.model import trace_for_pipeline, transformer_layers
+from megatron_slapo.training.model import trace_for_pipeline
 from tests.utils import tiny_bert_config, tiny_gpt2_config, tiny_llama_config
 
 IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from megatron_slapo import parallel
+from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.training.arguments import parse_args
 from megatron_slapo.training.loop import setup
-from megatron_slapo.training.model import transformer_layers
 from megatron_slapo.training.recompute import recomputed_layers
 from tests.test_bad_input import GPT, TRAIN, one_error_line
 

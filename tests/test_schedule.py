@@ -78,7 +78,7 @@ def test_auto_honours_the_styles_of_nine_in_ten_plan_entries_transformers_ships(
     families trained against one process (tests/distributed/test_auto.py) use every style honoured."""
     from transformers import CONFIG_MAPPING
 
-    from megatron_slapo.parallel.hf_plan import STYLES
+    from megatron_slapo.plans.hf_plan import STYLES
     from tests.distributed.test_auto import TRAINED
 
     def styles(family: str) -> list[str]:

@@ -11,8 +11,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_slapo as ms
 from megatron_slapo.errors import SchedulingError
-from megatron_slapo.kernels.shared_input import fuse_projections
 from megatron_slapo.parallel.random import seed
+from megatron_slapo.plans.fusion import fuse_projections
 from schedules import llama_tp
 from tests.utils import max_diff, tiny_llama_config
 

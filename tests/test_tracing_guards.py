@@ -12,7 +12,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 
 import megatron_slapo as ms
 from megatron_slapo.kernels.qkv import FusedQKV
-from megatron_slapo.primitives.placement import Role
+from megatron_slapo.metadata import Role
 from megatron_slapo.verify import UncheckedGradientsWarning
 from tests.utils import expected_shard, tiny_bert_config, tiny_gpt2_config
 

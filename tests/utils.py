@@ -11,7 +11,7 @@ import transformers
 
 @functools.cache
 def _compiler_problem() -> str | None:
-    from megatron_slapo.primitives.compile import compiler_problem
+    from megatron_slapo.kernels.compiled import compiler_problem
 
     return compiler_problem()
 

@@ -38,11 +38,11 @@ from torch._C._profiler import _EventType
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import megatron_slapo as ms  # noqa: E402
+from megatron_slapo.kernels.vocab import vocab_parallel_cross_entropy  # noqa: E402
+from megatron_slapo.models.layers import transformer_layers  # noqa: E402
 from megatron_slapo.parallel.random import seed  # noqa: E402
-from megatron_slapo.parallel.vocab import vocab_parallel_cross_entropy  # noqa: E402
 from megatron_slapo.training import recompute  # noqa: E402
 from megatron_slapo.training.flops import device_peak_tflops, flops_per_token  # noqa: E402
-from megatron_slapo.training.model import transformer_layers  # noqa: E402
 from schedules import get_schedule  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 import megatron_slapo as ms  # noqa: E402
 from megatron_slapo import parallel  # noqa: E402
+from megatron_slapo.kernels.vocab import vocab_parallel_cross_entropy  # noqa: E402
 from megatron_slapo.parallel.comm_log import CommLog  # noqa: E402
-from megatron_slapo.parallel.plans import ColumnParallel, ParallelRegionInput, apply_plan  # noqa: E402
-from megatron_slapo.parallel.vocab import vocab_parallel_cross_entropy  # noqa: E402
+from megatron_slapo.plans.styles import ColumnParallel, ParallelRegionInput, apply_plan  # noqa: E402
 from schedules import bert_tp, gpt_neo_tp, gpt_tp, llama_tp, opt_tp  # noqa: E402
 
 

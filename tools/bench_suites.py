@@ -42,10 +42,11 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from megatron_slapo import parallel  # noqa: E402
-from megatron_slapo.parallel.sequence import plan_schedule  # noqa: E402
+from megatron_slapo.engines.optimizer import global_norm  # noqa: E402
+from megatron_slapo.plans.kernel_swap import swap_in_kernels  # noqa: E402
+from megatron_slapo.plans.sequence import plan_schedule  # noqa: E402
 from megatron_slapo.training.arguments import parse_args, validate_args  # noqa: E402
 from megatron_slapo.training.loop import _language_task, pretrain  # noqa: E402
-from megatron_slapo.training.optimizer import global_norm  # noqa: E402
 from schedules import SCHEDULES, gpt_tp  # noqa: E402
 from tools.plot import read_scalars  # noqa: E402
 
@@ -149,7 +150,7 @@ def run_suite(suite: str, common: list[str], iters: int, warmup: int, rounds: in
     SCHEDULES[LAYERS_ONLY] = types.SimpleNamespace(
         MODEL_TYPES=gpt_tp.MODEL_TYPES,
         __doc__="gpt_tp without its embedding and head entries (tools/bench_suites.py)",
-        apply=plan_schedule({k: v for k, v in gpt_tp.PLAN.items() if k not in vocabulary}),
+        apply=plan_schedule({k: v for k, v in gpt_tp.PLAN.items() if k not in vocabulary}, swap_in_kernels),
     )
     world = dist.get_world_size()
     seconds: dict[str, list[float]] = {name: [] for name in SUITES[suite]}

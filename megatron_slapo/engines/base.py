@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_slapo.engines.optimizer import half_precision
 from megatron_slapo.parallel.collectives import Group, group_size
-from megatron_slapo.training.optimizer import half_precision
 
 Batch = dict[str, torch.Tensor]
 Loss = tuple[torch.Tensor, dict[str, torch.Tensor]]  # (scalar loss to differentiate, metrics to log)

@@ -27,8 +27,8 @@ from megatron_slapo.engines.base import (
     to_device,
 )
 from megatron_slapo.engines.local_step import LocalStep
+from megatron_slapo.engines.optimizer import global_norm
 from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parallel_grads, group_size
-from megatron_slapo.training.optimizer import global_norm
 
 
 class DDPEngine:

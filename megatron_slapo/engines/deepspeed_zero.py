@@ -36,6 +36,7 @@ from megatron_slapo.engines.base import (
     tensor_bytes,
     to_device,
 )
+from megatron_slapo.engines.optimizer import build_optimizer, build_scheduler, global_norm, local_part
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.parallel.collectives import (
     Group,
@@ -43,7 +44,6 @@ from megatron_slapo.parallel.collectives import (
     group_size,
     reduce_sequence_parallel_grads_in_backward,
 )
-from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, global_norm, local_part
 
 TAG = "deepspeed"  # the sub-directory of an iteration that holds DeepSpeed's files
 # Keys that Megatron flags own; a --deepspeed-config giving them differently is refused.

@@ -34,10 +34,10 @@ from megatron_slapo.engines.base import (
     to_device,
 )
 from megatron_slapo.engines.local_step import LocalStep
+from megatron_slapo.engines.optimizer import global_norm, half_precision, local_part
 from megatron_slapo.errors import CheckpointError
+from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parallel_grads, group_rank, group_size
-from megatron_slapo.training.model import transformer_layers
-from megatron_slapo.training.optimizer import global_norm, half_precision, local_part
 
 FILES = "fsdp"
 

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from megatron_slapo.engines.base import Batch, StepResult, accumulate, average_metrics
+from megatron_slapo.engines.loss_scaler import load_scaler_state, loss_scaler_for
+from megatron_slapo.engines.optimizer import build_optimizer, build_scheduler, clip_grads
 from megatron_slapo.parallel.collectives import Group
-from megatron_slapo.training.loss_scaler import load_scaler_state, loss_scaler_for
-from megatron_slapo.training.optimizer import build_optimizer, build_scheduler, clip_grads
 
 
 class LocalStep:

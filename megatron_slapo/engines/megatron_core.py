@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_slapo.compat import megatron_cpu as cpu_compat
 from megatron_slapo.engines.base import (
     Batch,
     StepResult,
@@ -46,12 +47,11 @@ from megatron_slapo.engines.base import (
     metrics_to_floats,
     to_device,
 )
+from megatron_slapo.engines.optimizer import build_scheduler, half_precision, megatron_fp32_grads
 from megatron_slapo.engines.stage_chunk import StageChunk, check_plan
 from megatron_slapo.errors import CheckpointError
-from megatron_slapo.parallel import cpu_compat
 from megatron_slapo.parallel.collectives import Group, all_reduce_flat, comm_device, group_size
 from megatron_slapo.pipeline import PipelineStages
-from megatron_slapo.training.optimizer import build_scheduler, half_precision, megatron_fp32_grads
 
 PARAMETER_STATE = "distrib_optim.pt"  # Megatron-LM's file for the distributed optimizer's shards
 # Not actionable here: a default of TransformerConfig, and the missing apex (see the README's notes).
@@ -299,7 +299,7 @@ class MegatronEngine:
     def _params_norm(self) -> float:
         from megatron.core import parallel_state as ps
 
-        from megatron_slapo.training.optimizer import global_norm
+        from megatron_slapo.engines.optimizer import global_norm
 
         params = [p for chunk in self.chunks for p in chunk.parameters() if not getattr(p, "shared", False)]
         squared = torch.tensor(global_norm(params, self.tp_group, of_grads=False) ** 2)
@@ -364,7 +364,7 @@ class MegatronEngine:
         return dist.get_rank(self.dp_group) if group_size(self.dp_group) > 1 else 0
 
     def _parameter_state_file(self, directory: str) -> str:
-        from megatron_slapo.training.checkpointing import Layout
+        from megatron_slapo.parallel.state import Layout
 
         return os.path.join(directory, Layout.current().rank_dir(), PARAMETER_STATE)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -31,3 +32,18 @@ class CompiledSubgraph(SubgraphModule):
         state = dict(self.__dict__)
         state["compiled"] = None  # compiled artefacts are rebuilt, not copied
         return state
+
+
+@functools.cache
+def compiler_problem(backend: str = "inductor") -> str | None:
+    """Why ``torch.compile(backend=...)`` cannot build a forward and backward here, or ``None``
+    (inductor needs a C++ compiler on a CPU, Triton on a GPU)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.ones(4, device=device, requires_grad=True)
+    try:
+        with torch.enable_grad():  # the first caller may be inside no_grad (a loss's forward)
+            torch.compile(lambda t: (t * 2).sin(), backend=backend, fullgraph=True)(x).sum().backward()
+    except Exception as e:  # noqa: BLE001 (whatever the backend raises, the answer is "it cannot")
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"torch.compile(backend={backend!r}) cannot build kernels on {device}: {type(e).__name__} {first}"
+    return None

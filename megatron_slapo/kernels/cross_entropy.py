@@ -24,8 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_slapo.kernels.compiled import compiler_problem
 from megatron_slapo.parallel.collectives import Group, group_size
-from megatron_slapo.primitives.compile import compiler_problem
 
 CHUNK_BYTES = 32 * 2**20  # fp32 bytes of one chunk of logits, eager: small enough to stay in the way of nothing
 COMPILED_CHUNK_BYTES = 512 * 2**20  # compiled (no fp32 chunk is allocated): few chunks, few kernel launches

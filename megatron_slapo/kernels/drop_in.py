@@ -13,23 +13,18 @@ backward; torch has the same function as one vectorised kernel forward and one b
   kernel where torch has one (CUDA). On a CPU torch composes it from the same ops, at the same
   speed (2 cores, 4096 x 2048 forward and backward: 99 ms either way in fp32, 138 vs 143 in bf16).
 
-:func:`swap_in_kernels` replaces those modules by type (the RMS norm by its very code, so a
+:func:`~megatron_slapo.plans.kernel_swap.swap_in_kernels` replaces those modules by type (the RMS norm by its very code, so a
 variant that computes something else, Gemma's ``1 + weight`` say, is left alone); schedules call it
 after their plan. Each replacement computes the same function, up to rounding.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import FastGELUActivation, NewGELUActivation
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
 
 # HF activations that compute GeLU's tanh approximation as a formula (QuickGELU is another function)
 TANH_FORMULAS = (NewGELUActivation, FastGELUActivation)
@@ -74,17 +69,10 @@ def _is_llama_rms_norm(module: nn.Module) -> bool:
     return hasattr(forward, "__code__") and _code(forward) == _code(LlamaRMSNorm.forward)
 
 
-def _kernel_for(module: nn.Module) -> nn.Module | None:
+def kernel_for(module: nn.Module) -> nn.Module | None:
+    """The drop-in kernel that computes what ``module`` computes, or ``None``."""
     if type(module) in TANH_FORMULAS:
         return GeLU("tanh")
     if _is_llama_rms_norm(module):
         return RMSNorm(module.weight.size(0), module.variance_epsilon)
     return None
-
-
-def swap_in_kernels(sch: Schedule) -> list[str]:
-    """Replace every module under ``sch`` that has a drop-in kernel; return their paths."""
-    swaps = [(path, kernel) for path, node in sch.named_schedules() if (kernel := _kernel_for(node.mod)) is not None]
-    for path, kernel in swaps:
-        sch[path].replace(kernel)
-    return [path for path, _ in swaps]

@@ -2,7 +2,7 @@
 
 Megatron stores such layers as one weight (``linear_qkv``, ``linear_fc1`` with a gated unit) and
 multiplies the input once. HF keeps them apart, and its attention calls ``q_proj(x)``,
-``k_proj(x)``, ``v_proj(x)`` one after the other. :func:`fuse_projections` keeps the layers and
+``k_proj(x)``, ``v_proj(x)`` one after the other. :func:`~megatron_slapo.plans.fusion.fuse_projections` keeps the layers and
 their parameters as they are (names, shards, checkpoints, every engine's optimizer: nothing
 changes) and changes only how they compute: the first of them called multiplies the input by the
 concatenation of all their weights, in one GEMM, keeps its part and holds the others' parts for
@@ -21,16 +21,10 @@ a recompute wrapped around one layer alone).
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from megatron_slapo.primitives.forward import base_forward, set_base_forward
-
-if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
 
 
 class SharedInput:
@@ -105,31 +99,6 @@ class _FusedLinear(torch.autograd.Function):
         return (grad_x, None, *grad_w, *grad_b)
 
 
-def _shared_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
+def shared_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
+    """A fused layer's forward: its part of the one GEMM (installed by the fusion pass)."""
     return module.shared_input.output(module, input)
-
-
-def why_not_fused(module: nn.Module, names: list[str]) -> str | None:
-    """Why the children ``names`` of ``module`` cannot be one GEMM, or ``None``: they must be two or
-    more Linear layers of one input width, all with a bias or all without."""
-    layers = [getattr(module, name, None) for name in names]
-    if len(layers) < 2 or not all(type(layer) is nn.Linear for layer in layers):
-        return f"fusing needs two or more nn.Linear children, got {', '.join(names)}"
-    if len({layer.in_features for layer in layers}) > 1 or len({layer.bias is None for layer in layers}) > 1:
-        return f"{', '.join(names)} differ in input width or in having a bias: not one GEMM"
-    if any(base_forward(layer) is not None for layer in layers):
-        return f"{', '.join(names)}: a layer already computes in a way of its own (fused, row-parallel)"
-    return None
-
-
-def fuse_projections(sch: Schedule, names: list[str]) -> None:
-    """Compute the Linear children ``names`` of ``sch``'s module, which read the same input, as one
-    GEMM (module docstring); ``ParallelRegionInput(fuse=...)`` calls it for a plan."""
-    problem = why_not_fused(sch.mod, names)
-    if problem:
-        raise sch._error(problem)
-    layers = [getattr(sch.mod, name) for name in names]
-    group = SharedInput(layers)
-    for layer in layers:
-        layer.shared_input = group
-        set_base_forward(layer, _shared_forward)

@@ -12,6 +12,7 @@ import datetime
 import gc
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -107,7 +108,7 @@ def initialize(
         raise ValueError(f"parallel sizes must be >= 1, got tensor={tensor_parallel} pipeline={pipeline_parallel}")
     cuda = torch.cuda.is_available()
     if not cuda:
-        from megatron_slapo.parallel import cpu_compat
+        from megatron_slapo.compat import megatron_cpu as cpu_compat
 
         cpu_compat.apply()
     from megatron.core import parallel_state as ps
@@ -184,3 +185,29 @@ def default_group() -> dist.ProcessGroup | None:
     if dist.is_initialized():
         return dist.group.WORLD
     return None
+
+
+@dataclass
+class Layout:
+    """Where this rank sits: its TP/PP/DP coordinates decide its file and whether it writes."""
+
+    tp_rank: int
+    tp_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_group: dist.ProcessGroup | None
+
+    @classmethod
+    def current(cls) -> Layout:
+        """This process's coordinates, from megatron-core's parallel_state."""
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
+            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(), dp_group=ps.get_data_parallel_group(),
+        )  # fmt: skip
+
+    def rank_dir(self) -> str:
+        return f"mp_rank_{self.tp_rank:02d}" + (f"_{self.pp_rank:03d}" if self.pp_size > 1 else "")

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 from megatron_slapo.primitives.registry import primitive
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 
 class AnnotateMixin:
     @primitive
-    def annotate(self: Schedule, param_name: str, key: str, value: Any) -> None:
+    def annotate(self: ScheduleNode, param_name: str, key: str, value: Any) -> None:
         """Attach ``key = value`` to a parameter or buffer; it survives shard and build."""
         if not key.isidentifier():
             raise self._error(f"annotation key must be an identifier, got {key!r}")

@@ -35,7 +35,7 @@ from megatron_slapo.primitives.registry import primitive
 from megatron_slapo.primitives.rng import on_model_parallel_rng
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 PREFIX = "slapo_core:"  # registered attention implementations: PREFIX + the one wrapped
 
@@ -93,7 +93,7 @@ def _core_attn(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 class AttentionCoreMixin:
     @primitive
-    def attention_core(self: Schedule, *, fork_rng: bool = False, checkpoint: bool = False) -> None:
+    def attention_core(self: ScheduleNode, *, fork_rng: bool = False, checkpoint: bool = False) -> None:
         """Run this HF attention module's core (``softmax(q kᵀ) v`` and its dropout) on the
         model-parallel RNG stream (``fork_rng``) and/or recomputed in the backward (``checkpoint``).
         May be applied again to add the other one."""

@@ -17,13 +17,13 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from megatron_slapo.graph_edit import external_users, extract, splice, why_never_called
 from megatron_slapo.kernels.subgraph import SubgraphModule
+from megatron_slapo.module_surgery import add_forward_wrapper
 from megatron_slapo.parallel.random import get_rng_tracker
 from megatron_slapo.pattern import Subgraph
-from megatron_slapo.primitives.forward import add_forward_wrapper
 from megatron_slapo.primitives.registry import primitive
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 
 def _tracker_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
@@ -48,7 +48,7 @@ class CheckpointedSubgraph(SubgraphModule):
 
 class CheckpointMixin:
     @primitive
-    def checkpoint(self: Schedule, subgraph: Subgraph | None = None) -> None:
+    def checkpoint(self: ScheduleNode, subgraph: Subgraph | None = None) -> None:
         """Recompute this module's activations (or only a subgraph's, from ``find``) in the backward pass."""
         if subgraph is not None:
             self._checkpoint_subgraph(subgraph)
@@ -62,7 +62,7 @@ class CheckpointMixin:
         add_forward_wrapper(self.mod, checkpointed)
         self.metadata.checkpointed = True
 
-    def _checkpoint_subgraph(self: Schedule, subgraph: Subgraph) -> None:
+    def _checkpoint_subgraph(self: ScheduleNode, subgraph: Subgraph) -> None:
         owner = subgraph.owner
         leaking = [n.name for n, users in external_users(subgraph.nodes).items() if users and n not in subgraph.outputs]
         if leaking:

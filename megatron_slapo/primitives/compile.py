@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -30,31 +29,16 @@ import torch._dynamo.config as dynamo_config
 from torch import nn
 
 from megatron_slapo.graph_edit import why_never_called
-from megatron_slapo.primitives.forward import base_forward, set_base_forward
+from megatron_slapo.module_surgery import base_forward, set_base_forward
 from megatron_slapo.primitives.registry import primitive
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
-
-
-@functools.cache
-def compiler_problem(backend: str = "inductor") -> str | None:
-    """Why ``torch.compile(backend=...)`` cannot build a forward and backward here, or ``None``
-    (inductor needs a C++ compiler on a CPU, Triton on a GPU)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    x = torch.ones(4, device=device, requires_grad=True)
-    try:
-        with torch.enable_grad():  # the first caller may be inside no_grad (a loss's forward)
-            torch.compile(lambda t: (t * 2).sin(), backend=backend, fullgraph=True)(x).sum().backward()
-    except Exception as e:  # noqa: BLE001 (whatever the backend raises, the answer is "it cannot")
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return f"torch.compile(backend={backend!r}) cannot build kernels on {device}: {type(e).__name__} {first}"
-    return None
+    from megatron_slapo.node import ScheduleNode
 
 
 class CompileMixin:
     @primitive
-    def compile(self: Schedule, backend: str = "inductor") -> None:
+    def compile(self: ScheduleNode, backend: str = "inductor") -> None:
         """Run this module's computation through ``torch.compile(backend=...)`` (applied by ``build``)."""
         if self.metadata.compiled:
             raise self._error("compile() is already applied to this module")
@@ -89,7 +73,7 @@ class CompiledForward:
 @contextlib.contextmanager
 def _outside_function_modes() -> Iterator[None]:
     """Run without the active ``TorchFunctionMode``s (the CPU shim's, around megatron-core's
-    schedules: see :mod:`megatron_slapo.parallel.cpu_compat`). Compiled code is specialised to
+    schedules: see :mod:`megatron_slapo.compat.megatron_cpu`). Compiled code is specialised to
     the modes it ran under, and a recompute in the backward runs outside them: with the modes
     popped, the forward and its recompute run the same graph."""
     with contextlib.ExitStack() as stack:
@@ -98,7 +82,7 @@ def _outside_function_modes() -> Iterator[None]:
         yield
 
 
-def apply_compiles(sch: Schedule) -> list[str]:
+def apply_compiles(sch: ScheduleNode) -> list[str]:
     """Swap in the compiled computation of every node marked by ``compile``; return their paths."""
     paths = []
     for path, node in sch.named_schedules():

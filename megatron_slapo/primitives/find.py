@@ -12,12 +12,12 @@ from megatron_slapo.pattern import Subgraph, find_pattern, find_regex
 from megatron_slapo.primitives.registry import primitive
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 
 class FindMixin:
     @primitive
-    def find(self: Schedule, regex_or_pattern: str | re.Pattern | Callable | nn.Module) -> list[Subgraph]:
+    def find(self: ScheduleNode, regex_or_pattern: str | re.Pattern | Callable | nn.Module) -> list[Subgraph]:
         """Find module calls whose path matches a regex, or occurrences of a pattern function's computation."""
         if isinstance(regex_or_pattern, (str, re.Pattern)):
             return find_regex(self, regex_or_pattern)

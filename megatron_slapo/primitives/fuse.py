@@ -23,12 +23,12 @@ from megatron_slapo.pattern import Subgraph
 from megatron_slapo.primitives.registry import primitive
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 
 class FuseMixin:
     @primitive
-    def fuse(self: Schedule, subgraph: Subgraph, compiler: str = "inductor", name: str = "fused") -> None:
+    def fuse(self: ScheduleNode, subgraph: Subgraph, compiler: str = "inductor", name: str = "fused") -> None:
         """Compile one vertical subgraph (from ``find``) with torch.compile and splice it in as a module."""
         if not isinstance(subgraph, Subgraph):
             raise self._error("fuse() takes one Subgraph from find()", TypeError)
@@ -46,7 +46,7 @@ class FuseMixin:
         owner._refresh_children()
 
     @primitive
-    def decompose(self: Schedule) -> None:
+    def decompose(self: ScheduleNode) -> None:
         """Split this Linear / HF Conv1D into a matmul and a separate bias add (to fuse the bias with what follows)."""
         mod = self.mod
         if type(mod) not in (nn.Linear, Conv1D):

@@ -11,7 +11,7 @@ from megatron_slapo.graph_edit import why_never_called
 from megatron_slapo.primitives.registry import primitive
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 _REGISTER = {
     "fwd_pre": "register_forward_pre_hook",
@@ -23,7 +23,7 @@ _REGISTER = {
 
 class HookMixin:
     @primitive
-    def hook(self: Schedule, mode: str, fn: Callable[..., Any], **kwargs: Any) -> RemovableHandle:
+    def hook(self: ScheduleNode, mode: str, fn: Callable[..., Any], **kwargs: Any) -> RemovableHandle:
         """Register ``fn`` as a fwd_pre / fwd_post / bwd_pre / bwd_post hook (PyTorch signatures).
 
         Refused on a module that a traced ancestor's graph no longer calls (a decomposed layer traced

@@ -9,12 +9,12 @@ import torch.fx as fx
 from megatron_slapo.primitives.registry import primitive
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 
 class PipelineMixin:
     @primitive
-    def cut_pipeline_stage(self: Schedule) -> None:
+    def cut_pipeline_stage(self: ScheduleNode) -> None:
         """Start a new pipeline stage at this module (a child of a traced or ModuleList parent)."""
         if self.metadata.pipeline_cut:
             raise self._error("cut_pipeline_stage() is already applied to this module")

@@ -21,24 +21,12 @@ we do not know: ``shard`` refuses the placements that would have to rewrite that
 
 from __future__ import annotations
 
-import enum
-
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 from transformers.pytorch_utils import Conv1D
 
 from megatron_slapo.kernels.linear import DecomposedConv1D, DecomposedLinear
-
-
-class Role(enum.Enum):
-    COLUMN = "column"  # output features partitioned; input replicated
-    ROW = "row"  # input features partitioned; output is a partial sum
-    VOCAB = "vocab"  # embedding rows partitioned; output is a partial sum; input is token ids
-    EMBEDDING_COLUMN = "embedding-column"  # embedding features partitioned; input is token ids
-
-    @property
-    def output_is_partial(self) -> bool:
-        return self in (Role.ROW, Role.VOCAB)
+from megatron_slapo.metadata import Role
 
 
 def linear_axes(module: nn.Module) -> tuple[int, int] | None:

@@ -2,7 +2,8 @@
 
 Built-in primitives are ordinary, typed methods of :class:`~megatron_slapo.schedule.Schedule`
 (defined in this package, one family per file) marked with :func:`primitive`, so readers and IDEs
-see their signatures. :func:`register_primitive` lets users add their own; names are unique.
+see their signatures. ``register_primitive`` (in :mod:`megatron_slapo.schedule`, which owns the class) lets users add
+their own; names are unique.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ F = TypeVar("F", bound=Callable)
 _PRIMITIVES: dict[str, Callable] = {}
 
 
-def _add(name: str, fn: Callable) -> None:
+def add(name: str, fn: Callable) -> None:
+    """Record ``fn`` as the primitive ``name``; ``ValueError`` if the name is taken."""
     if name in _PRIMITIVES:
         raise ValueError(f"a schedule primitive named {name!r} is already registered")
     _PRIMITIVES[name] = fn
@@ -23,24 +25,13 @@ def _add(name: str, fn: Callable) -> None:
 
 def primitive(fn: F) -> F:
     """Mark a Schedule method as a primitive (listed by :func:`list_primitives`)."""
-    _add(fn.__name__, fn)
+    add(fn.__name__, fn)
     return fn
 
 
-def register_primitive(fn: Callable, name: str | None = None) -> Callable:
-    """Add a user primitive: ``fn(sch, *args, **kwargs)`` becomes ``sch.<name>(*args, **kwargs)``.
-
-    Raises ``ValueError`` if the name is taken (by a built-in or an earlier registration).
-    Usable as a decorator.
-    """
-    from megatron_slapo.schedule import Schedule
-
-    name = name or fn.__name__
-    if hasattr(Schedule, name) and name not in _PRIMITIVES:
-        raise ValueError(f"{name!r} is already an attribute of Schedule and cannot be a primitive")
-    _add(name, fn)
-    setattr(Schedule, name, fn)
-    return fn
+def is_primitive(name: str) -> bool:
+    """Whether ``name`` is a registered primitive."""
+    return name in _PRIMITIVES
 
 
 def list_primitives() -> dict[str, str]:

@@ -21,7 +21,7 @@ from megatron_slapo.pattern import Subgraph
 from megatron_slapo.primitives.registry import primitive
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 
 class FunctionModule(nn.Module):
@@ -79,7 +79,7 @@ def _arity_problem(callee: nn.Module | Callable[..., Any], n_inputs: int) -> str
 class ReplaceMixin:
     @primitive
     def replace(
-        self: Schedule,
+        self: ScheduleNode,
         new_module: nn.Module | Callable[..., Any],
         *,
         keep_weights: bool = True,
@@ -143,7 +143,7 @@ class ReplaceMixin:
         self.metadata.replaced = self.metadata.replaced or type(old).__name__  # the original, if replaced twice
         self._adopt_children()
 
-    def _replace_subgraphs(self: Schedule, callee: Any, target_ops: Any, name: str | None) -> None:
+    def _replace_subgraphs(self: ScheduleNode, callee: Any, target_ops: Any, name: str | None) -> None:
         groups = [target_ops] if isinstance(target_ops, Subgraph) else list(target_ops)
         if not groups or not all(isinstance(g, Subgraph) for g in groups):
             raise self._error("target_ops must be a Subgraph or a list of Subgraphs from find()", TypeError)
@@ -181,7 +181,7 @@ class ReplaceMixin:
 
     @primitive
     def replace_all(
-        self: Schedule, module_type: type[nn.Module], make_fn: Callable[[str, nn.Module], nn.Module]
+        self: ScheduleNode, module_type: type[nn.Module], make_fn: Callable[[str, nn.Module], nn.Module]
     ) -> list[str]:
         """Replace every submodule of ``module_type`` with ``make_fn(path, module)``; return the paths."""
         if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):

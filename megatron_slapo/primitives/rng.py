@@ -11,12 +11,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from megatron_slapo.graph_edit import why_never_called
+from megatron_slapo.module_surgery import add_forward_wrapper
 from megatron_slapo.parallel.random import get_rng_tracker
-from megatron_slapo.primitives.forward import add_forward_wrapper
 from megatron_slapo.primitives.registry import primitive
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 
 def on_model_parallel_rng(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -27,7 +27,7 @@ def on_model_parallel_rng(inner: Callable[..., Any], *args: Any, **kwargs: Any) 
 
 class ForkRngMixin:
     @primitive
-    def fork_rng(self: Schedule) -> None:
+    def fork_rng(self: ScheduleNode) -> None:
         """Run this module under the model-parallel RNG stream (dropout differs across TP ranks)."""
         if self.metadata.forked_rng:
             raise self._error("fork_rng() is already applied to this module")

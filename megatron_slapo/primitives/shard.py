@@ -14,69 +14,22 @@ from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 from transformers.pytorch_utils import Conv1D
 
-from megatron_slapo.metadata import ShardSpec
-from megatron_slapo.parallel.collectives import Group
+from megatron_slapo.metadata import Role, ShardSpec
+from megatron_slapo.module_surgery import set_base_forward
 from megatron_slapo.parallel.layout import shard_slice, sharded_shape
-from megatron_slapo.parallel.vocab import vocab_parallel_embedding
-from megatron_slapo.primitives.forward import set_base_forward
-from megatron_slapo.primitives.placement import Role, infer_role, linear_axes, own_forward
+from megatron_slapo.primitives.placement import infer_role, linear_axes, own_forward
 from megatron_slapo.primitives.registry import primitive
+from megatron_slapo.primitives.sync import RowParallelForward, VocabParallelForward
 
 if TYPE_CHECKING:
-    from megatron_slapo.primitives.sync import SyncOp
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 # Megatron's parameter attributes: megatron-core's grad clipping and checkpointing read them.
 TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
-
-
-class RowParallelForward:
-    """Forward of a Linear/Conv1D/convolution sharded on its input features: reduce first, then add the bias."""
-
-    def __init__(self) -> None:
-        self.reductions: list[SyncOp] = []  # applied to the product, which nothing else holds: in place
-
-    def __deepcopy__(self, memo: dict) -> RowParallelForward:
-        clone = RowParallelForward()
-        clone.reductions = list(self.reductions)  # the ops themselves hold shared group handles
-        return clone
-
-    def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(module, nn.Linear):
-            y = F.linear(x, module.weight)
-        elif isinstance(module, _ConvNd):
-            y = module._conv_forward(x, module.weight, None)
-        else:  # HF Conv1D: weight is (in, out)
-            y = torch.mm(x.reshape(-1, x.size(-1)), module.weight).view(*x.shape[:-1], -1)
-        for reduce in self.reductions:
-            y = reduce(y, fresh=True)
-        if isinstance(module, _ConvNd):  # one bias per channel, dim 1
-            return y + module.bias.view(-1, *[1] * (y.dim() - 2))
-        return y + module.bias
-
-
-class VocabParallelForward:
-    """Forward of an Embedding sharded on its vocabulary rows (output is a partial sum)."""
-
-    def __init__(self, group: Group) -> None:
-        self.group = group
-        self.reductions: list[SyncOp] = []  # sync("fwd_post", "all_reduce"), in place on the lookup
-
-    def __deepcopy__(self, memo: dict) -> VocabParallelForward:
-        clone = VocabParallelForward(self.group)
-        clone.reductions = list(self.reductions)
-        return clone
-
-    def __call__(self, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-        out = vocab_parallel_embedding(ids, module.weight, self.group, module.padding_idx)
-        for reduce in self.reductions:
-            out = reduce(out, fresh=True)
-        return out
 
 
 def _sharded_copy(tensor: torch.Tensor, axis: int, stride: int, rank: int, world: int) -> torch.Tensor:
@@ -110,7 +63,7 @@ def _update_size_attrs(module: nn.Module, role: Role) -> None:
 
 class ShardMixin:
     @primitive
-    def shard(self: Schedule, param_name: str, axis: int, *, stride: int = 1) -> None:
+    def shard(self: ScheduleNode, param_name: str, axis: int, *, stride: int = 1) -> None:
         """Keep this rank's slice of a parameter or buffer along ``axis`` (tensor parallelism).
 
         ``stride`` > 1 shards each of ``stride`` equal blocks of the axis separately (a fused
@@ -150,7 +103,7 @@ class ShardMixin:
             node.metadata.shards[name] = ShardSpec(axis, stride, tensor.shape, explicit)
             node._after_shard(name, axis)
 
-    def _reshard_tied(self: Schedule, param_name: str, existing: ShardSpec, axis: int, stride: int) -> None:
+    def _reshard_tied(self: ScheduleNode, param_name: str, existing: ShardSpec, axis: int, stride: int) -> None:
         if existing.explicit:
             raise self._error(f"{param_name!r} is already sharded (axis {existing.axis}); shard() applies once")
         if (existing.axis, existing.stride) != (axis, stride):
@@ -160,7 +113,7 @@ class ShardMixin:
             )
         existing.explicit = True
 
-    def _after_shard(self: Schedule, param_name: str, axis: int) -> None:
+    def _after_shard(self: ScheduleNode, param_name: str, axis: int) -> None:
         """Record the layer's role and rewrite its forward where sharding changes the maths."""
         role = infer_role(self.mod, param_name, axis)
         if role is None:
@@ -174,7 +127,7 @@ class ShardMixin:
             set_base_forward(mod, RowParallelForward())
 
 
-def _forward_rewrite_problem(node: Schedule, param_name: str, axis: int) -> str | None:
+def _forward_rewrite_problem(node: ScheduleNode, param_name: str, axis: int) -> str | None:
     """Why sharding ``param_name`` of ``node``'s module on ``axis`` cannot rewrite its forward as it must.
 
     Row-parallel Linear/Conv1D layers with a bias and vocabulary-parallel Embeddings get a forward

@@ -16,17 +16,20 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.conv import _ConvNd
 
 from megatron_slapo.graph_edit import why_never_called
+from megatron_slapo.kernels.vocab import vocab_parallel_embedding
+from megatron_slapo.metadata import Role
+from megatron_slapo.module_surgery import base_forward
 from megatron_slapo.parallel import collectives as C
-from megatron_slapo.primitives.forward import base_forward
-from megatron_slapo.primitives.placement import Role, check_sync, feature_axis, own_forward
+from megatron_slapo.primitives.placement import check_sync, feature_axis, own_forward
 from megatron_slapo.primitives.registry import primitive
-from megatron_slapo.primitives.shard import RowParallelForward, VocabParallelForward
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 MODES = ("fwd_pre", "fwd_post", "bwd_post")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "scatter")
@@ -77,6 +80,51 @@ class SyncOp:
         return C.scatter(x, self.axis, self.group)
 
 
+# The forwards ``shard`` installs when the maths changes; the reductions ``sync`` adds run inside them.
+class RowParallelForward:
+    """Forward of a Linear/Conv1D/convolution sharded on its input features: reduce first, then add the bias."""
+
+    def __init__(self) -> None:
+        self.reductions: list[SyncOp] = []  # applied to the product, which nothing else holds: in place
+
+    def __deepcopy__(self, memo: dict) -> RowParallelForward:
+        clone = RowParallelForward()
+        clone.reductions = list(self.reductions)  # the ops themselves hold shared group handles
+        return clone
+
+    def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(module, nn.Linear):
+            y = F.linear(x, module.weight)
+        elif isinstance(module, _ConvNd):
+            y = module._conv_forward(x, module.weight, None)
+        else:  # HF Conv1D: weight is (in, out)
+            y = torch.mm(x.reshape(-1, x.size(-1)), module.weight).view(*x.shape[:-1], -1)
+        for reduce in self.reductions:
+            y = reduce(y, fresh=True)
+        if isinstance(module, _ConvNd):  # one bias per channel, dim 1
+            return y + module.bias.view(-1, *[1] * (y.dim() - 2))
+        return y + module.bias
+
+
+class VocabParallelForward:
+    """Forward of an Embedding sharded on its vocabulary rows (output is a partial sum)."""
+
+    def __init__(self, group: C.Group) -> None:
+        self.group = group
+        self.reductions: list[SyncOp] = []  # sync("fwd_post", "all_reduce"), in place on the lookup
+
+    def __deepcopy__(self, memo: dict) -> VocabParallelForward:
+        clone = VocabParallelForward(self.group)
+        clone.reductions = list(self.reductions)
+        return clone
+
+    def __call__(self, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+        out = vocab_parallel_embedding(ids, module.weight, self.group, module.padding_idx)
+        for reduce in self.reductions:
+            out = reduce(out, fresh=True)
+        return out
+
+
 def _first_param_name(module: nn.Module) -> str | None:
     # The class's forward: the instance's may be a PatchedForward(*args, **kwargs) by now.
     params = list(inspect.signature(type(module).forward).parameters.values())[1:]  # drop self
@@ -123,7 +171,7 @@ class OutputSync:
 class SyncMixin:
     @primitive
     def sync(
-        self: Schedule,
+        self: ScheduleNode,
         mode: str,
         sync_op_or_fn: str | Callable[[torch.Tensor], torch.Tensor] = "all_reduce",
         *,
@@ -165,7 +213,7 @@ class SyncMixin:
         else:
             self.mod.register_forward_pre_hook(InputSync(op), with_kwargs=True)
 
-    def _check_sync(self: Schedule, mode: str, sync_op_or_fn: str | Callable, axis: int) -> str:
+    def _check_sync(self: ScheduleNode, mode: str, sync_op_or_fn: str | Callable, axis: int) -> str:
         """Validate a sync request; return the op's name."""
         if mode not in MODES:
             raise self._error(f"unknown sync mode {mode!r}; expected one of {MODES}")
@@ -190,14 +238,14 @@ class SyncMixin:
             raise self._error(f"sync({mode!r}, {op_name!r}) is already applied to this module")
         return op_name
 
-    def _output_is_fresh(self: Schedule) -> bool:
+    def _output_is_fresh(self: ScheduleNode) -> bool:
         """Whether the module returns the product it computes, which nothing else holds: a
         row-parallel nn.Linear / Conv1D without a bias, its forward neither overridden, patched nor hooked."""
         mod = self.mod
         return (self.metadata.role is Role.ROW and own_forward(mod) is None and "forward" not in mod.__dict__
                 and not mod._forward_hooks)  # fmt: skip
 
-    def _default_gather_backward(self: Schedule, mode: str) -> str:
+    def _default_gather_backward(self: ScheduleNode, mode: str) -> str:
         role = self.metadata.role
         if role is not None and mode == "fwd_post" and not role.output_is_partial:
             return "split"  # gathering a tensor-parallel output: what follows is replicated

@@ -20,7 +20,7 @@ from megatron_slapo.primitives.registry import primitive
 from megatron_slapo.tracing import is_builtin_leaf, make_call, trace_module
 
 if TYPE_CHECKING:
-    from megatron_slapo.schedule import Schedule
+    from megatron_slapo.node import ScheduleNode
 
 
 def _example_call(module: nn.Module, example_inputs: Any, concrete_args: dict | None):
@@ -36,7 +36,7 @@ def _example_call(module: nn.Module, example_inputs: Any, concrete_args: dict | 
 class TraceMixin:
     @primitive
     def trace(
-        self: Schedule,
+        self: ScheduleNode,
         recursive: bool = True,
         flatten: bool = False,
         leaf_modules: Sequence[type[nn.Module]] = (),
@@ -58,7 +58,7 @@ class TraceMixin:
         traced = trace_module(self.mod, call, self.path, flatten, tuple(leaf_modules), recursive)
         self._install_traced(traced.module)
 
-    def _check_traceable(self: Schedule, leaves: tuple[type, ...]) -> None:
+    def _check_traceable(self: ScheduleNode, leaves: tuple[type, ...]) -> None:
         """Leaves stay as they are (shards, syncs and hooks included). A module that becomes a graph
         must not have been rewritten or hooked yet: its graph is traced from its plain forward."""
         for path, node in self.named_schedules():
@@ -73,7 +73,7 @@ class TraceMixin:
                 where = path or "this module"
                 raise self._error(f"{where} has {', '.join(dict.fromkeys(done))}; trace() before those primitives")
 
-    def _install_traced(self: Schedule, gm: nn.Module) -> None:
+    def _install_traced(self: ScheduleNode, gm: nn.Module) -> None:
         reuse = {id(node.mod): node for _, node in self.named_schedules() if node is not self}
         annotations = {path: node.metadata.annotations for path, node in self.named_schedules()}
         move_hooks(self.mod, gm)

@@ -21,9 +21,9 @@ HF ``ModelOutput`` return values are rebuilt as such (fx would flatten them into
 persistence, child order), so tracing changes how a model runs, never what it looks like.
 """
 
-from megatron_slapo.tracing.guard import CallGuard, TraceError
+from megatron_slapo.tracing.guard import Call, CallGuard, TraceError
 from megatron_slapo.tracing.modes import trace_module
-from megatron_slapo.tracing.tracer import LEAF_TYPES, Call, Traced, is_builtin_leaf, make_call, meta_copy, trace_level
+from megatron_slapo.tracing.tracer import LEAF_TYPES, Traced, is_builtin_leaf, make_call, meta_copy, trace_level
 
 __all__ = [
     "Call", "CallGuard", "LEAF_TYPES", "TraceError", "Traced", "is_builtin_leaf", "make_call", "meta_copy",

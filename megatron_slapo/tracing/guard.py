@@ -9,14 +9,12 @@ error rather than a silently wrong result.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
-
-if TYPE_CHECKING:
-    from megatron_slapo.tracing.tracer import Call
 
 
 class TraceError(RuntimeError):
@@ -110,3 +108,27 @@ class CallGuard:
         if missing:
             raise self._error(f"traced with {sorted(missing)} given; call it with them too")
         return (), inputs
+
+
+@dataclass
+class Call:
+    """How a module is called: tensor inputs (by parameter name) and constant arguments.
+
+    ``tensors`` maps an input name to a tensor, or to a tuple of tensors (Llama's
+    ``position_embeddings=(cos, sin)``); ``sources`` holds, for a call recorded in a parent graph,
+    the parent's fx nodes that feed each input.
+    """
+
+    tensors: dict[str, Any]
+    constants: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, Any] = field(default_factory=dict)
+
+    def flat_inputs(self) -> list[tuple[str, torch.Tensor]]:
+        """Placeholder names and tensors, tuples flattened as ``name_0``, ``name_1`` ..."""
+        flat = []
+        for name, value in self.tensors.items():
+            if isinstance(value, (tuple, list)):
+                flat.extend((f"{name}_{i}", v) for i, v in enumerate(value))
+            else:
+                flat.append((name, value))
+        return flat

@@ -14,7 +14,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from megatron_slapo.tracing.tracer import Call, Traced, install, trace_level
+from megatron_slapo.tracing.guard import Call
+from megatron_slapo.tracing.tracer import Traced, install, trace_level
 
 
 def dropout_p_when_training(training: bool, p: float) -> float:

@@ -10,7 +10,7 @@ import itertools
 import operator
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from transformers import activations as hf_activations
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput
 
-from megatron_slapo.tracing.guard import CallGuard, TraceError, forward_signature
+from megatron_slapo.tracing.guard import Call, CallGuard, TraceError, forward_signature
 from megatron_slapo.tracing.meta_fixes import (
     all_metas,
     evaluate_on_meta,
@@ -40,30 +40,6 @@ ORIGINAL = "slapo_original"  # GraphModule.meta key: the module a level was trac
 LEAF_TYPES: tuple[type[nn.Module], ...] = (Conv1D,) + tuple(
     cls for cls in vars(hf_activations).values() if isinstance(cls, type) and issubclass(cls, nn.Module)
 )
-
-
-@dataclass
-class Call:
-    """How a module is called: tensor inputs (by parameter name) and constant arguments.
-
-    ``tensors`` maps an input name to a tensor, or to a tuple of tensors (Llama's
-    ``position_embeddings=(cos, sin)``); ``sources`` holds, for a call recorded in a parent graph,
-    the parent's fx nodes that feed each input.
-    """
-
-    tensors: dict[str, Any]
-    constants: dict[str, Any] = field(default_factory=dict)
-    sources: dict[str, Any] = field(default_factory=dict)
-
-    def flat_inputs(self) -> list[tuple[str, torch.Tensor]]:
-        """Placeholder names and tensors, tuples flattened as ``name_0``, ``name_1`` ..."""
-        flat = []
-        for name, value in self.tensors.items():
-            if isinstance(value, (tuple, list)):
-                flat.extend((f"{name}_{i}", v) for i, v in enumerate(value))
-            else:
-                flat.append((name, value))
-        return flat
 
 
 def _is_tensor_like(value: Any) -> bool:

@@ -39,36 +39,11 @@ import torch.distributed as dist
 from megatron_slapo.engines.base import Engine
 from megatron_slapo.errors import CheckpointError
 from megatron_slapo.parallel.random import get_rng_tracker
+from megatron_slapo.parallel.state import Layout
 
 LATEST = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
 VERSION = 3.0
-
-
-@dataclass
-class Layout:
-    """Where this rank sits: its TP/PP/DP coordinates decide its file and whether it writes."""
-
-    tp_rank: int
-    tp_size: int
-    pp_rank: int
-    pp_size: int
-    dp_rank: int
-    dp_group: dist.ProcessGroup | None
-
-    @classmethod
-    def current(cls) -> Layout:
-        """This process's coordinates, from megatron-core's parallel_state."""
-        from megatron.core import parallel_state as ps
-
-        return cls(
-            tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
-            pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
-            dp_rank=ps.get_data_parallel_rank(), dp_group=ps.get_data_parallel_group(),
-        )  # fmt: skip
-
-    def rank_dir(self) -> str:
-        return f"mp_rank_{self.tp_rank:02d}" + (f"_{self.pp_rank:03d}" if self.pp_size > 1 else "")
 
 
 @dataclass

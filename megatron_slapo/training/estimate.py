@@ -39,12 +39,12 @@ from megatron_slapo.data.samplers import data_loader
 from megatron_slapo.engines.base import adamw_state
 from megatron_slapo.engines.deepspeed_zero import deepspeed_config, zero_state
 from megatron_slapo.engines.megatron_core import megatron_state
+from megatron_slapo.engines.optimizer import half_precision, megatron_fp32_grads
+from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.tracing.meta_fixes import experts_on_meta, unpacked_on_meta
 from megatron_slapo.training.loop import Plan, prepare
-from megatron_slapo.training.model import transformer_layers
-from megatron_slapo.training.optimizer import half_precision, megatron_fp32_grads
 
 DEEPSPEED_MAX_LIVE = 10**9  # DeepSpeed's stage3_max_live_parameters / max_reuse_distance defaults
 DEEPSPEED_PERSISTENT = 10**5  # its stage3_param_persistence_threshold default

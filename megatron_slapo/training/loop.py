@@ -28,13 +28,15 @@ from megatron_slapo.data.tokenizers import build_tokenizer
 from megatron_slapo.engines import ENGINES
 from megatron_slapo.engines.base import Engine
 from megatron_slapo.errors import ConfigError
-from megatron_slapo.parallel import sequence
+from megatron_slapo.kernels.compiled import compiler_problem
+from megatron_slapo.models.layers import shared_layers, transformer_layers
 from megatron_slapo.parallel.comm_log import CommLog
+from megatron_slapo.parallel.state import Layout
 from megatron_slapo.pipeline import PipelineStages
-from megatron_slapo.primitives.compile import compiler_problem
+from megatron_slapo.plans import sequence
 from megatron_slapo.training import checkpointing, error_report, recompute
 from megatron_slapo.training.arguments import parse_args, validate_args
-from megatron_slapo.training.checkpointing import Layout, Resume
+from megatron_slapo.training.checkpointing import Resume
 from megatron_slapo.training.exit_conditions import ExitConditions
 from megatron_slapo.training.flops import device_peak_tflops, flops_per_image, flops_per_token
 from megatron_slapo.training.model import (
@@ -45,9 +47,7 @@ from megatron_slapo.training.model import (
     create_model,
     pipeline_cuts,
     pipeline_stages,
-    shared_layers,
     trace_for_pipeline,
-    transformer_layers,
     vocab_parameter_names,
 )
 from megatron_slapo.training.reporting import Reporter, log_engine_memory

@@ -18,8 +18,8 @@ from torch import nn
 from megatron_slapo.data.datasets import SplitSizes, build_bert_datasets, build_gpt_datasets, build_t5_datasets
 from megatron_slapo.data.images import SPLITS, PatternImages
 from megatron_slapo.errors import ConfigError
+from megatron_slapo.kernels.vocab import vocab_parallel_cross_entropy
 from megatron_slapo.parallel.collectives import Group
-from megatron_slapo.parallel.vocab import vocab_parallel_cross_entropy
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, tp_group: Group) -> torch.Tensor:

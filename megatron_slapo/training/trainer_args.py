@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from megatron_slapo.engines.optimizer import lr_schedule_samples
 from megatron_slapo.errors import ConfigError
 
 # (flag, smallest allowed value) for this group's flags, checked when given.
@@ -80,18 +81,6 @@ def check_trainer_args(args: argparse.Namespace) -> None:
     if args.fp16 and args.loss_scale is None and args.min_loss_scale > args.initial_loss_scale:
         raise ConfigError(f"--min-loss-scale {args.min_loss_scale:g} exceeds --initial-loss-scale "
                           f"{args.initial_loss_scale:g}")  # fmt: skip
-
-
-def lr_schedule_samples(args: argparse.Namespace) -> tuple[float, int, int]:
-    """(warmup, decay, weight-decay increment) lengths of the LR schedule, in samples, as Megatron-LM
-    computes them: from ``--*-samples`` with ``--train-samples``, else ``--*-iters`` x global batch;
-    ``--lr-warmup-fraction`` is a fraction of the decay."""
-    gbs = args.global_batch_size
-    if getattr(args, "train_samples", None) is not None:
-        decay = args.lr_decay_samples or args.train_samples
-        warmup = args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None else args.lr_warmup_samples
-        return warmup, decay, args.train_samples
-    return args.lr_warmup_iters * gbs, args.lr_decay_iters * gbs, args.train_iters * gbs
 
 
 def print_arguments(args: argparse.Namespace, title: str = "arguments") -> None:

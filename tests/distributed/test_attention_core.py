@@ -17,8 +17,8 @@ import torch.nn.functional as F
 import transformers
 
 import megatron_slapo as ms
-from megatron_slapo.parallel.plans import HeadParallelDropout, apply_plan
-from megatron_slapo.parallel.sequence import split_layers
+from megatron_slapo.plans.sequence import split_layers
+from megatron_slapo.plans.styles import HeadParallelDropout, apply_plan
 from schedules import gpt_tp
 from tests.distributed.conftest import use_layout
 from tests.utils import tiny_gpt2_config

@@ -12,10 +12,10 @@ from transformers import CONFIG_MAPPING
 
 import megatron_slapo as ms
 from megatron_slapo.errors import SchedulingError
+from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.parallel.collectives import gather_tensor
-from megatron_slapo.parallel.hf_plan import NO_SEQUENCE_PARALLEL
-from megatron_slapo.parallel.sequence import split_layers
-from megatron_slapo.training.model import transformer_layers
+from megatron_slapo.plans.hf_plan import NO_SEQUENCE_PARALLEL
+from megatron_slapo.plans.sequence import split_layers
 from schedules import auto, llama_tp
 from tests.distributed.runs import PARITY, assert_parity, layout_case, reference_losses, train_losses
 from tests.utils import max_diff

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from megatron_slapo.engines.optimizer import local_part
 from megatron_slapo.training import checkpointing
-from megatron_slapo.training.optimizer import local_part
 from tests.distributed.runs import (
     PARITY,
     assert_parity,

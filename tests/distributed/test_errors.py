@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import megatron_slapo as ms
-from megatron_slapo.parallel.plans import ColumnParallel, LocalHeads, ParallelRegionInput, RowParallel, apply_plan
+from megatron_slapo.plans.styles import ColumnParallel, LocalHeads, ParallelRegionInput, RowParallel, apply_plan
 
 
 def test_shard_size_not_divisible_names_the_path(group, world):

@@ -8,7 +8,7 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 
 import megatron_slapo as ms
 from megatron_slapo.kernels.qkv import FusedQKV
-from megatron_slapo.parallel.plans import ColumnParallel, RowParallel
+from megatron_slapo.plans.styles import ColumnParallel, RowParallel
 from tests.utils import tiny_gpt2_config
 
 HIDDEN, HEAD_DIM = 32, 8

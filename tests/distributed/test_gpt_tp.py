@@ -8,7 +8,7 @@ import transformers
 import megatron_slapo as ms
 from megatron_slapo import parallel
 from megatron_slapo.parallel.collectives import gather_tensor
-from megatron_slapo.parallel.plans import apply_plan
+from megatron_slapo.plans.styles import apply_plan
 from schedules import gpt_tp
 from tests.distributed.conftest import use_layout
 from tests.utils import local_part, max_diff, tiny_gpt2_config

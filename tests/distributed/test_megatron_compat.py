@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_slapo.parallel import cpu_compat
+from megatron_slapo.compat import megatron_cpu as cpu_compat
 from tests.utils import max_diff
 
 

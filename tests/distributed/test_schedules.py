@@ -8,8 +8,8 @@ import torch
 import transformers
 
 import megatron_slapo as ms
-from megatron_slapo.parallel.sequence import split_layers
-from megatron_slapo.training.model import transformer_layers
+from megatron_slapo.models.layers import transformer_layers
+from megatron_slapo.plans.sequence import split_layers
 from schedules import SCHEDULES
 from tests.utils import tiny_albert, tiny_bert_config, tiny_gpt2_config, tiny_llama_config, tiny_roberta
 
@@ -64,8 +64,8 @@ def test_every_schedule_is_covered():
 def test_sequence_parallel_needs_a_gather_before_the_head(group):
     """A plan whose final norm does not gather the sequence would hand the LM head part of it."""
     from megatron_slapo.errors import SchedulingError
-    from megatron_slapo.parallel.plans import apply_plan
-    from megatron_slapo.parallel.sequence import plan_for
+    from megatron_slapo.plans.sequence import plan_for
+    from megatron_slapo.plans.styles import apply_plan
     from schedules.gpt_tp import PLAN
 
     with torch.device("meta"):

@@ -7,7 +7,7 @@ from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
 from megatron_slapo import create_schedule
-from megatron_slapo.parallel.vocab import VocabParallelLMLoss, vocab_parallel_cross_entropy
+from megatron_slapo.kernels.vocab import VocabParallelLMLoss, vocab_parallel_cross_entropy
 from tests.utils import expected_shard, max_diff
 
 V, H, TOL = 64, 16, 1e-5

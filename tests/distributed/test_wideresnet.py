@@ -13,12 +13,12 @@ from torch import nn
 
 import megatron_slapo as ms
 from megatron_slapo.errors import SchedulingError
+from megatron_slapo.metadata import Role
 from megatron_slapo.models.wideresnet import WideResNetForImageClassification
 from megatron_slapo.parallel.collectives import allreduce_sequence_parallel_grads, gather_tensor
 from megatron_slapo.parallel.layout import unshard
-from megatron_slapo.parallel.plans import ColumnParallel, RowParallel, apply_plan
-from megatron_slapo.parallel.sync_batchnorm import GroupBatchNorm2d
-from megatron_slapo.primitives.placement import Role
+from megatron_slapo.plans.styles import ColumnParallel, RowParallel, apply_plan
+from megatron_slapo.plans.sync_batchnorm import GroupBatchNorm2d
 from megatron_slapo.training.loop import pretrain
 from schedules import wideresnet_tp
 from tests.distributed.runs import (

@@ -41,8 +41,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import PreTrainedModel
 
 from megatron_slapo.errors import SchedulingError
-from megatron_slapo.kernels.drop_in import swap_in_kernels
-from megatron_slapo.parallel.plans import (
+from megatron_slapo.plans.styles import (
     apply_plan,
 )
 
@@ -119,14 +118,16 @@ def plan_for(plan: Mapping[str, Any], args: Any) -> Mapping[str, Any]:
     return sequence_parallel_plan(plan) if getattr(args, "sequence_parallel", False) else plan
 
 
-def plan_schedule(plan: Mapping[str, Any]) -> Callable[..., None]:
+def plan_schedule(plan: Mapping[str, Any], *passes: Callable[[Schedule], Any]) -> Callable[..., None]:
     """The ``apply(sch, config, args)`` of a schedule that is one plan: applied in its
-    sequence-parallel form under ``--sequence-parallel``, with HF's formula modules run as one
-    kernel each (:func:`~megatron_slapo.kernels.drop_in.swap_in_kernels`)."""
+    sequence-parallel form under ``--sequence-parallel``, then each of ``passes`` (say
+    :func:`~megatron_slapo.plans.kernel_swap.swap_in_kernels`) in order, so a schedule's file lists
+    everything it does."""
 
     def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
         apply_plan(sch, plan_for(plan, args))
-        swap_in_kernels(sch)
+        for run in passes:
+            run(sch)
 
     return apply
 

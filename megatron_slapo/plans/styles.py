@@ -28,9 +28,9 @@ from torch.nn.modules.conv import _ConvNd
 from transformers import PreTrainedModel
 
 from megatron_slapo.errors import SchedulingError
-from megatron_slapo.kernels.shared_input import fuse_projections
+from megatron_slapo.kernels.vocab import VocabParallelLMLoss
 from megatron_slapo.parallel.collectives import reduce_backward
-from megatron_slapo.parallel.vocab import VocabParallelLMLoss
+from megatron_slapo.plans.fusion import fuse_projections
 from megatron_slapo.primitives.placement import feature_axis, linear_axes
 
 if TYPE_CHECKING:

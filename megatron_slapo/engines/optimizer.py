@@ -47,8 +47,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, args: argparse.Namespace):
     --lr-*-samples with --train-samples, else --lr-*-iters x global batch)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_slapo.training.trainer_args import lr_schedule_samples
-
     warmup, decay, total = lr_schedule_samples(args)
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=warmup, lr_decay_steps=decay,
@@ -92,3 +90,15 @@ def clip_grads(params: list[nn.Parameter], max_norm: float, norm: float) -> None
     """Scale gradients so that their global norm is at most ``max_norm`` (torch's foreach clip)."""
     if max_norm > 0 and norm > max_norm:
         clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, torch.tensor(norm))
+
+
+def lr_schedule_samples(args: argparse.Namespace) -> tuple[float, int, int]:
+    """(warmup, decay, weight-decay increment) lengths of the LR schedule, in samples, as Megatron-LM
+    computes them: from ``--*-samples`` with ``--train-samples``, else ``--*-iters`` x global batch;
+    ``--lr-warmup-fraction`` is a fraction of the decay."""
+    gbs = args.global_batch_size
+    if getattr(args, "train_samples", None) is not None:
+        decay = args.lr_decay_samples or args.train_samples
+        warmup = args.lr_warmup_fraction * decay if args.lr_warmup_fraction is not None else args.lr_warmup_samples
+        return warmup, decay, args.train_samples
+    return args.lr_warmup_iters * gbs, args.lr_decay_iters * gbs, args.train_iters * gbs

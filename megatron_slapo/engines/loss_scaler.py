@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from megatron_slapo.parallel import cpu_compat
+from megatron_slapo.compat import megatron_cpu as cpu_compat
 
 
 def loss_scaler_for(args: argparse.Namespace) -> Any | None:

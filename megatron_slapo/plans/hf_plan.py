@@ -13,7 +13,7 @@ placements, with Megatron's collectives:
   its query heads (:class:`KeyValueColumnParallel`, Megatron's way);
 - ``rowwise`` layers are :class:`RowParallel` (all-reduce of the output, then the bias);
 - ``moe_tp_experts`` modules (with their ``packed_colwise`` gate|up and ``rowwise`` down weights) are
-  :class:`~megatron_slapo.parallel.experts.TensorParallelExperts`: every expert split by its
+  :class:`~megatron_slapo.plans.experts.TensorParallelExperts`: every expert split by its
   features, one reduction per MoE block, the router replicated;
 - ``replicated_with_grad_allreduce`` parameters (Qwen3's per-head q/k norms) see only this rank's
   heads: their gradients are partial sums, tagged as Megatron tags such parameters
@@ -42,9 +42,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from megatron_slapo.errors import SchedulingError
-from megatron_slapo.kernels.shared_input import why_not_fused
-from megatron_slapo.parallel.experts import TensorParallelExperts
-from megatron_slapo.parallel.plans import (
+from megatron_slapo.plans.experts import TensorParallelExperts
+from megatron_slapo.plans.fusion import why_not_fused
+from megatron_slapo.plans.sequence import SplitAlongSequence
+from megatron_slapo.plans.styles import (
     ColumnParallel,
     HeadParallelDropout,
     LocalHeads,
@@ -56,7 +57,6 @@ from megatron_slapo.parallel.plans import (
     matching,
     placements_of,
 )
-from megatron_slapo.parallel.sequence import SplitAlongSequence
 from megatron_slapo.primitives.attention_core import core_kind
 
 if TYPE_CHECKING:
@@ -170,7 +170,7 @@ def _path(model: nn.Module, name: str | None, wanted: str, fallback: nn.Module |
 
 
 def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False) -> dict[str, Any]:
-    """This project's plan (see :func:`~megatron_slapo.parallel.plans.apply_plan`) for ``model``
+    """This project's plan (see :func:`~megatron_slapo.plans.styles.apply_plan`) for ``model``
     (an HF model, or its root traced for pipeline stages), from ``config.base_model_tp_plan``;
     SchedulingError for a style it cannot honour, or for a family that cannot run split along the
     sequence when ``sequence_parallel``."""
