@@ -47,7 +47,7 @@ class Metadata:
     traced: bool = False
     pipeline_cut: bool = False
     replaced: str | None = None  # the class name of the module ``replace`` swapped out here
-    # Under --sequence-parallel (parallel/sequence.py): "partial lookup" (a vocabulary-parallel
+    # Under --sequence-parallel (plans/sequence.py): "partial lookup" (a vocabulary-parallel
     # embedding left unreduced for the first layer) or "gathers" (the module after the layers that
     # gathers the sequence for the LM head)
     sequence_split: str | None = None

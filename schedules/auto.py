@@ -2,7 +2,7 @@
 
 Reads ``base_model_tp_plan`` (see ``megatron_slapo/plans/hf_plan.py``): one input-gradient
 all-reduce per attention block and per MLP, every expert of an MoE block split by its features
-(``parallel/experts.py``), vocabulary-parallel embedding, LM head and loss. Without ``--schedule``,
+(``plans/experts.py``), vocabulary-parallel embedding, LM head and loss. Without ``--schedule``,
 the families listed here that have no schedule of their own get this one.
 """
 

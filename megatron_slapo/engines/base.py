@@ -33,11 +33,17 @@ Loss = tuple[torch.Tensor, dict[str, torch.Tensor]]  # (scalar loss to different
 class Task(Protocol):
     """What the engine needs from the task (GPT, BERT): the model's inputs and the loss."""
 
-    def inputs(self, batch: Batch) -> dict[str, Any]: ...
+    def inputs(self, batch: Batch) -> dict[str, Any]:
+        """The model's keyword inputs for ``batch`` (a pipeline's first stage takes these)."""
+        ...
 
-    def criterion(self, out: Any, batch: Batch) -> Loss: ...
+    def criterion(self, out: Any, batch: Batch) -> Loss:
+        """The loss and metrics from the model's output (a pipeline's last stage computes this)."""
+        ...
 
-    def loss(self, model: nn.Module, batch: Batch) -> Loss: ...
+    def loss(self, model: nn.Module, batch: Batch) -> Loss:
+        """``criterion`` of ``model``'s output on ``inputs``: a whole-model engine's forward."""
+        ...
 
 
 @dataclass
@@ -76,25 +82,51 @@ class StepResult:
 
 
 class Engine(Protocol):
+    """What the trainer asks of every engine (``ENGINES`` in :mod:`megatron_slapo.engines`).
+
+    An engine is constructed with the built model (this rank's TP shards; with pipeline
+    parallelism, its stages) and the arguments, and owns everything between a list of micro-batches
+    and an updated model: wrapping, gradient accumulation and reduction, mixed precision, clipping,
+    the optimizer, the LR schedule and the loss scale. Every method is collective over the ranks
+    that hold the model (call it on every rank, in the same order).
+    """
+
     model: nn.Module  # the built model, unwrapped
     MIXED_PRECISION: dict[str, str]  # what --bf16 / --fp16 ("bf16", "fp16") mean on this engine
 
-    def train_step(self, microbatches: list[Batch], task: Task) -> StepResult: ...
+    def train_step(self, microbatches: list[Batch], task: Task) -> StepResult:
+        """One optimizer step over the global batch's micro-batches on this rank: forward and
+        backward each (``task.loss``), reduce gradients over the data-parallel ranks, then clip and
+        step, or skip the step on every rank when the gradients are not finite. The metrics are
+        averaged over micro-batches and data-parallel ranks, so every rank logs the same numbers."""
+        ...
 
-    def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]: ...
+    def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
+        """Forward only, in evaluation mode: the metrics averaged as in :meth:`train_step`; no
+        gradient, no state changes (a pipeline runs its forward-only schedule)."""
+        ...
 
     def memory_report(self) -> dict[str, int]:
-        """Bytes this rank holds for ``params``, ``grads`` and ``optimizer`` state (logged at start)."""
+        """Bytes this rank holds for ``params``, ``grads`` and ``optimizer`` state (logged at start;
+        ``tools/explain.py`` plans with the same accounting)."""
         ...
 
     def state_dict(self, directory: str, include_optimizer: bool = True) -> dict[str, Any]:
-        """Collective: every rank calls it. ``directory`` is the (temporary) iteration directory."""
+        """What goes into this rank's ``model_optim_rng.pt``: the TP-local weights of its stages, whole
+        whatever the engine (``model``), and with ``include_optimizer`` the optimizer, LR schedule and
+        loss-scale state. An engine that partitions the optimizer over data-parallel ranks writes its
+        partition into ``directory`` (the temporary iteration directory) and keeps a pointer here.
+        Collective: every rank calls it."""
         ...
 
-    def load_state_dict(self, state: dict[str, Any], directory: str, load_optimizer: bool = True) -> None: ...
+    def load_state_dict(self, state: dict[str, Any], directory: str, load_optimizer: bool = True) -> None:
+        """Restore what :meth:`state_dict` returned (``state``) and wrote into ``directory``; without
+        ``load_optimizer`` (``--no-load-optim``, ``--finetune``) only the weights. Collective."""
+        ...
 
 
 def to_device(batch: Batch, device: torch.device) -> Batch:
+    """The batch's tensors on ``device`` (copied asynchronously where the device allows)."""
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
@@ -125,6 +157,7 @@ def metrics_to_floats(metrics: dict[str, torch.Tensor]) -> dict[str, float]:
 
 
 def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes held by ``tensors`` (their elements, not their storage's slack)."""
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

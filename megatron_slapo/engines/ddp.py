@@ -39,6 +39,9 @@ class DDPEngine:
                        for d in ("bf16", "fp16")}  # fmt: skip
 
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
+        """Wrap ``model`` in torch DDP over ``dp_group`` (not at all with one data-parallel rank) and build
+        the step's optimizer, LR schedule and loss scaler over its parameters. ``tp_group``: the ranks
+        that share its tensor-parallel shards (for the norm and sequence-parallel gradients)."""
         self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
         self.device = next(model.parameters()).device
         self.wrapped = DistributedDataParallel(model, process_group=dp_group) if group_size(dp_group) > 1 else model
@@ -52,6 +55,9 @@ class DDPEngine:
         return adamw_state(tensor_bytes(self.params))
 
     def train_step(self, microbatches: list[Batch], task: Task) -> StepResult:
+        """Accumulate every micro-batch's gradients (DDP reduces only during the last backward), sum
+        sequence-parallel gradients over TP, then :meth:`LocalStep.finish` (unscale, norm over the TP
+        shards, skip or clip and step)."""
         self.wrapped.train()
 
         def loss_of(batch: Batch) -> tuple[torch.Tensor, dict]:
@@ -69,15 +75,20 @@ class DDPEngine:
         )
 
     def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
+        """Forward only under the run's autocast, metrics averaged over micro-batches and DP ranks."""
         return evaluate(self.model, microbatches, task, self.device, self.dp_group, autocast(self.args, self.device))
 
     def state_dict(self, directory: str, include_optimizer: bool = True) -> dict[str, Any]:
+        """The model's (TP-local) state dict and, with ``include_optimizer``, AdamW's, the LR schedule's
+        and the fp16 loss scaler's; every data-parallel rank holds the same, so nothing goes to
+        ``directory``."""
         state: dict[str, Any] = {"model": self.model.state_dict()}
         if include_optimizer:
             state.update(optimizer=self.optimizer.state_dict(), **self.step.state_dict())
         return state
 
     def load_state_dict(self, state: dict[str, Any], directory: str, load_optimizer: bool = True) -> None:
+        """Load the weights, and the optimizer, LR schedule and loss scale when asked and present."""
         self.model.load_state_dict(state["model"])
         if load_optimizer and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])

@@ -54,24 +54,31 @@ class _MPU:
     """DeepSpeed's view of model parallelism: "model parallel" is our tensor parallelism."""
 
     def __init__(self, dp_group: Group, tp_group: Group) -> None:
+        """Answer DeepSpeed's questions from our groups."""
         self.dp_group, self.tp_group = dp_group, tp_group
 
     def get_model_parallel_rank(self) -> int:
+        """This rank's place in the tensor-parallel group."""
         return group_rank(self.tp_group)
 
     def get_model_parallel_world_size(self) -> int:
+        """The tensor-parallel size."""
         return group_size(self.tp_group)
 
     def get_model_parallel_group(self) -> Group:
+        """The tensor-parallel group (DeepSpeed's clipping sums norms over it)."""
         return self.tp_group
 
     def get_data_parallel_rank(self) -> int:
+        """This rank's place in the data-parallel group."""
         return group_rank(self.dp_group)
 
     def get_data_parallel_world_size(self) -> int:
+        """The data-parallel size (ZeRO partitions over it)."""
         return group_size(self.dp_group)
 
     def get_data_parallel_group(self) -> Group:
+        """The data-parallel group."""
         return self.dp_group
 
 
@@ -192,12 +199,16 @@ class DeepSpeedEngine:
         init = deepspeed.zero.Init(data_parallel_group=dp_group, config_dict_or_path=partitioning)
 
         def partition(modules: list[nn.Module]) -> None:
+            """Partition these modules' own parameters over the data-parallel group now."""
             params = [p for m in modules for p in m.parameters(recurse=False)]
             init._convert_to_zero_parameters(params)  # zero.Init(module=...) without recursing into other units
 
         return partition
 
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
+        """``deepspeed.initialize`` with our AdamW as its client optimizer and the config from the flags
+        (or ``--deepspeed-config``); the LR schedule stays ours (megatron-core's, stepped in samples).
+        Sequence-parallel gradients are summed over TP in autograd hooks registered before ZeRO's."""
         deepspeed = _import_deepspeed()
         reduce_sequence_parallel_grads_in_backward(model, tp_group)  # before ZeRO's own gradient hooks see them
         self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
@@ -231,6 +242,9 @@ class DeepSpeedEngine:
         return zero_state(self.stage, local, tensor_bytes(params), self._master_numel())
 
     def train_step(self, microbatches: list[Batch], task: Task) -> StepResult:
+        """DeepSpeed's own loop over the micro-batches (``backward`` scales by the accumulation steps,
+        ``step`` reduces, clips and steps at the boundary only); the step's result read back from it
+        (whether it was applied, its gradient norm, the fp16 scale it ran with)."""
         steps = self.config["gradient_accumulation_steps"]
         if len(microbatches) != steps:
             raise ValueError(f"DeepSpeed was configured for {steps} micro-batches per step, got {len(microbatches)}")
@@ -265,6 +279,7 @@ class DeepSpeedEngine:
         )
 
     def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
+        """Forward only through the DeepSpeed engine (ZeRO-3 gathers each module as it runs)."""
         return evaluate(self.ds, microbatches, task, self.device, self.dp_group)
 
     # ----------------------------------------------------------------------------------------------
@@ -298,6 +313,9 @@ class DeepSpeedEngine:
             self._set_fp32(p, state[names[0]].to(self.device, torch.float32))
 
     def state_dict(self, directory: str, include_optimizer: bool = True) -> dict[str, Any]:
+        """The TP rank's whole weights from the fp32 masters (so the file is the same as every engine's);
+        with ``include_optimizer``, DeepSpeed's own ZeRO checkpoint written under ``directory`` (its
+        stage and DP size kept here, to refuse another layout on load) and the LR schedule."""
         state: dict[str, Any] = {"model": self.full_state_dict()}
         if include_optimizer:
             self.ds.save_checkpoint(directory, tag=TAG, save_latest=False)
@@ -310,6 +328,9 @@ class DeepSpeedEngine:
         return state
 
     def load_state_dict(self, state: dict[str, Any], directory: str, load_optimizer: bool = True) -> None:
+        """Without the optimizer: set the weights and their fp32 masters from the whole saved weights.
+        With it: DeepSpeed's ZeRO checkpoint, which must come from the same stage and data-parallel
+        size (``CheckpointError`` otherwise), and our LR schedule."""
         saved = state.get("optimizer")
         if not (load_optimizer and saved):
             self.load_full_state_dict(state["model"])

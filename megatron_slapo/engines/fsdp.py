@@ -58,6 +58,9 @@ class FSDPEngine:
                        for d in ("bf16", "fp16")}  # fmt: skip
 
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
+        """Shard ``model`` with FSDP2 over ``dp_group``: one ``fully_shard`` unit per transformer layer and
+        one for the rest, with the precision policy of ``--bf16``/``--fp16``; Megatron's tensor-parallel
+        tags are put back on the sharded parameters, and the optimizer is built over the shards."""
         self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
         self.device = next(model.parameters()).device
         tags = _parallel_tags(model)  # fully_shard replaces the parameters: keep the tags
@@ -81,9 +84,12 @@ class FSDPEngine:
         return adamw_state(tensor_bytes([local_part(p) for p in self.params]))
 
     def _norm(self, of_grads: bool = True) -> float:
+        """The global norm of the gradients (or weights) over the TP shards and the DP shards."""
         return global_norm(self.params, self.tp_group, of_grads=of_grads, partition_group=self.dp_group)
 
     def train_step(self, microbatches: list[Batch], task: Task) -> StepResult:
+        """Accumulate the micro-batches' gradients, reduce-scattered over DP once after the last one;
+        sum each rank's sequence-parallel gradient shards over TP, then step as ``--engine ddp`` does."""
         self.model.train()
 
         def sync(last: bool) -> contextlib.AbstractContextManager:
@@ -95,10 +101,12 @@ class FSDPEngine:
         return self.step.finish(totals, len(microbatches), self.dp_group, lambda grads: self._norm(of_grads=grads))
 
     def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
+        """Forward only (FSDP gathers each unit as it runs), metrics averaged over DP."""
         return evaluate(self.model, microbatches, task, self.device, self.dp_group)
 
     # ----------------------------------------------------------------------------------------------
     def _optimizer_file(self, directory: str) -> str:
+        """This rank's file of optimizer shards in the iteration directory."""
         from megatron.core import parallel_state as ps
 
         pp = ps.get_pipeline_model_parallel_rank()
@@ -120,6 +128,9 @@ class FSDPEngine:
         return state
 
     def state_dict(self, directory: str, include_optimizer: bool = True) -> dict[str, Any]:
+        """The TP rank's whole weights (gathered over DP, so the checkpoint file is the same as every
+        engine's); with ``include_optimizer``, this rank's AdamW shard written to its own file in
+        ``directory`` (a pointer and the DP size kept here) and the LR schedule and loss scale."""
         state: dict[str, Any] = {"model": self.full_state_dict()}
         if include_optimizer:
             shard = self.optimizer.state_dict()  # its per-parameter dicts are the live state: copy, not edit
@@ -136,6 +147,8 @@ class FSDPEngine:
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any], directory: str, load_optimizer: bool = True) -> None:
+        """Take this rank's part of the whole saved weights; then, when asked, its optimizer shard, which
+        must come from the same data-parallel size (``CheckpointError`` otherwise)."""
         full = state["model"]
         own = self.model.state_dict()
         missing, unexpected = sorted(set(own) - set(full)), sorted(set(full) - set(own))

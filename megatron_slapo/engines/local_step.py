@@ -26,6 +26,8 @@ class LocalStep:
     """AdamW, the LR schedule and (``--fp16``) the loss scaler of one model; see the module doc."""
 
     def __init__(self, model: nn.Module, args: argparse.Namespace) -> None:
+        """AdamW (:func:`build_optimizer`) over ``model``'s trainable parameters, megatron-core's LR
+        schedule, and a loss scaler under ``--fp16`` (none otherwise)."""
         self.args = args
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(model, args)
@@ -34,6 +36,7 @@ class LocalStep:
 
     @property
     def loss_scale(self) -> float:
+        """The fp16 loss scale now; 1 without a scaler."""
         return float(self.scaler.scale) if self.scaler else 1.0
 
     def backward(self, microbatches: list[Batch], loss_of: Callable[[Batch], tuple[torch.Tensor, dict]],
@@ -79,12 +82,14 @@ class LocalStep:
         )
 
     def state_dict(self) -> dict:
+        """The LR schedule's state, and the loss scaler's under ``--fp16`` (Megatron's key names)."""
         state = {"opt_param_scheduler": self.scheduler.state_dict()}
         if self.scaler:
             state["grad_scaler"] = self.scaler.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved (a scaler's state only when this run has one)."""
         self.scheduler.load_state_dict(state["opt_param_scheduler"])
         if self.scaler and "grad_scaler" in state:
             load_scaler_state(self.scaler, state["grad_scaler"])

@@ -82,6 +82,10 @@ class MegatronEngine:
     }
 
     def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
+        """Wrap this rank's pipeline stages (``model`` itself without pipeline parallelism) as
+        megatron-core model chunks: weights in the training dtype, its DDP per chunk, its optimizer
+        (distributed or not) and our LR schedule; tied embeddings are marked so their gradients are
+        summed over the embedding group and counted once in the norm."""
         from megatron.core import parallel_state as ps
 
         self.args, self.dp_group, self.tp_group = args, dp_group, tp_group
@@ -160,6 +164,7 @@ class MegatronEngine:
                     p.shared = True
 
     def _wrap(self, chunk: StageChunk) -> nn.Module:
+        """megatron-core's DDP around one chunk (its contiguous gradient buffers, overlap if asked)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         ddp_config = DistributedDataParallelConfig(
@@ -169,6 +174,7 @@ class MegatronEngine:
         return DistributedDataParallel(config=self.config, ddp_config=ddp_config, module=chunk)
 
     def _optimizer(self) -> Any:
+        """megatron-core's optimizer from the flags: Adam(W), its mixed-precision wrapper and loss scaler."""
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         a = self.args
@@ -185,15 +191,19 @@ class MegatronEngine:
 
     # -- steps -------------------------------------------------------------------------------------
     def _forward_step(self, task: Task, data_iterator: Any, chunk: nn.Module) -> tuple[Any, Any]:
+        """megatron-core's ``forward_step_func``: the chunk's output and the loss to call on it."""
         batch = to_device(next(data_iterator), self.device)
         return chunk(**task.inputs(batch)), functools.partial(self._loss, task, batch)
 
     @staticmethod
     def _loss(task: Task, batch: Batch, out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The task's loss, with metrics copied (the schedule scales the loss in place)."""
         loss, metrics = task.criterion(out, batch)
         return loss, {k: v.detach().float().clone() for k, v in metrics.items()}  # the schedule scales loss in place
 
     def _run(self, microbatches: list[Batch], task: Task, forward_only: bool) -> dict[str, torch.Tensor]:
+        """All micro-batches through megatron-core's pipeline schedule (1F1B, interleaved, or none with
+        one stage), forward only or forward and backward; the metrics on every stage."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         iterators = [iter(microbatches) for _ in self.ddp]
@@ -243,6 +253,8 @@ class MegatronEngine:
         return dict(zip(names, shared.unbind(), strict=True))
 
     def _finalize_grads(self) -> None:
+        """Finish DDP's gradient reduction, sum sequence-parallel gradients over TP and tied embeddings'
+        over the embedding group (what megatron-core's ``finalize_model_grads`` does for its models)."""
         from megatron.core import parallel_state as ps
 
         for model in self.ddp:
@@ -254,6 +266,9 @@ class MegatronEngine:
                 dist.all_reduce(p.main_grad, group=group)
 
     def train_step(self, microbatches: list[Batch], task: Task) -> StepResult:
+        """Forward and backward through the pipeline schedule, finalise the gradients, then megatron-core's
+        gradient preparation and norm (:meth:`_prepare_grads`); a finite step is clipped and applied,
+        any other skipped on every rank. The LR schedule advances only on an applied step."""
         for model in self.ddp:
             model.train()
             model.zero_grad_buffer()
@@ -288,6 +303,7 @@ class MegatronEngine:
         return False, float(self.optimizer.get_grad_norm())
 
     def _clip(self, grad_norm: float) -> None:
+        """Clip to ``--clip-grad`` with the norm already computed (each chained optimizer's shard)."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         if self.args.clip_grad > 0:
@@ -297,6 +313,8 @@ class MegatronEngine:
                     clip_grad_by_total_norm_fp32(params, self.args.clip_grad, grad_norm)
 
     def _params_norm(self) -> float:
+        """The weights' global norm (``--log-params-norm``): over TP shards and pipeline stages, tied
+        weights once."""
         from megatron.core import parallel_state as ps
 
         from megatron_slapo.engines.optimizer import global_norm
@@ -309,6 +327,7 @@ class MegatronEngine:
 
     @torch.no_grad()
     def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
+        """The pipeline schedule forward only; metrics averaged and given to every stage."""
         for model in self.ddp:
             model.eval()
         return metrics_to_floats(self._run(microbatches, task, forward_only=True))
@@ -320,12 +339,17 @@ class MegatronEngine:
         return megatron_state(self.args, count, group_size(self.dp_group))
 
     def _model_state(self) -> dict[str, torch.Tensor]:
+        """This rank's stages' weights, under the model's own parameter names."""
         state: dict[str, torch.Tensor] = {}
         for chunk in self.chunks:
             state.update(chunk.stage.state_dict())
         return state
 
     def state_dict(self, directory: str, include_optimizer: bool = True) -> dict[str, Any]:
+        """This rank's stages' weights and, with ``include_optimizer``, megatron-core's optimizer state
+        (with the distributed optimizer: its parameter state gathered into Megatron-LM's
+        ``distrib_optim.pt`` under ``directory`` by DP rank 0, and Adam's step count) and the LR
+        schedule's."""
         state: dict[str, Any] = {"model": self._model_state()}
         if include_optimizer:
             with cpu_compat.device_mode():
@@ -356,20 +380,27 @@ class MegatronEngine:
         return max(counts, default=0.0)
 
     def _set_adam_steps(self, count: float) -> None:
+        """Give every parameter of the torch optimizers the step count ``count``."""
         for o, params in self._adam_params():
             for p in params:
                 o.state[p]["step"] = torch.tensor(count, dtype=torch.float32)
 
     def _dp_rank(self) -> int:
+        """This rank's place in the data-parallel group (0 with one rank)."""
         return dist.get_rank(self.dp_group) if group_size(self.dp_group) > 1 else 0
 
     def _parameter_state_file(self, directory: str) -> str:
+        """Where the distributed optimizer's parameter state goes, beside this rank's checkpoint file."""
         from megatron_slapo.parallel.state import Layout
 
         return os.path.join(directory, Layout.current().rank_dir(), PARAMETER_STATE)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any], directory: str, load_optimizer: bool = True) -> None:
+        """Load this rank's stages' weights (refusing a checkpoint that lacks some: another pipeline
+        layout); then, when asked, the optimizer, which must match ``--use-distributed-optimizer``
+        (``CheckpointError`` otherwise), and the LR schedule. Without the optimizer, its fp32 main
+        weights are reloaded from the new weights."""
         saved = state["model"]
         for chunk in self.chunks:
             own = chunk.stage.state_dict()

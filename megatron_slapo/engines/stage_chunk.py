@@ -20,6 +20,8 @@ class StageChunk(nn.Module):
     """One pipeline stage (a "model chunk") as megatron-core's schedules drive it."""
 
     def __init__(self, stage: nn.Module, first: bool, last: bool, config: Any) -> None:
+        """Wrap ``stage``; ``first``/``last``: whether it takes the model's inputs or returns its output.
+        A later stage's inputs are the model's inputs it recomputes from plus the one received value."""
         from megatron.core.enums import ModelType
 
         super().__init__()
@@ -34,6 +36,9 @@ class StageChunk(nn.Module):
         self.input_tensor = tensors[0] if isinstance(tensors, list) else tensors
 
     def forward(self, **inputs: Any) -> Any:
+        """Run the stage on the model's inputs (first stage) or on those it needs plus what the previous
+        stage sent (``[s, b, h]``, Megatron's layout, turned back into HF's batch-first); a middle
+        stage returns its one activation in Megatron's layout and the pipeline dtype."""
         if self.first:
             out = self.stage(**inputs)
         else:
