@@ -11,6 +11,10 @@ import warnings
 # megatron-core warns on import that apex / Transformer Engine are missing; we use torch-native paths.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
+from megatron_slapo.compat.versions import check_versions  # noqa: E402
+
+check_versions()  # before the imports below: a private name they reach may be what an untested version lacks
+
 from megatron_slapo.build import build  # noqa: E402
 from megatron_slapo.errors import SchedulingError  # noqa: E402
 from megatron_slapo.models import MODEL_CLASSES  # noqa: E402,F401  (registers them with transformers' Auto classes)

@@ -13,6 +13,8 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from megatron_slapo.compat.torch_nn import own_parameters
+
 if TYPE_CHECKING:
     from megatron_slapo.node import ScheduleNode
 
@@ -58,7 +60,7 @@ def explain(sch: ScheduleNode) -> str:
     sharded = {}  # tensor id -> (whole, local) elements: a tied tensor once, as parameters() counts it
     for _, node in sch.named_schedules():
         for name, spec in node.metadata.shards.items():
-            if name not in node.mod._parameters:  # a buffer (BatchNorm's statistics): not a parameter
+            if name not in own_parameters(node.mod):  # a buffer (BatchNorm's statistics): not a parameter
                 continue
             tensor = getattr(node.mod, name)
             sharded[id(tensor)] = (spec.full_shape.numel(), tensor.numel())

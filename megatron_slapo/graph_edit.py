@@ -14,8 +14,15 @@ from typing import TYPE_CHECKING, Any
 import torch.fx as fx
 from torch import nn
 
+from megatron_slapo.compat.torch_nn import (
+    backward_hooks,
+    backward_pre_hooks,
+    forward_hooks,
+    forward_pre_hooks,
+    move_hooks,
+    remove_forward_pre_hook,
+)
 from megatron_slapo.kernels.subgraph import SubgraphModule
-from megatron_slapo.module_surgery import move_hooks
 from megatron_slapo.tracing import CallGuard
 from megatron_slapo.tracing.module_shape import UNUSED
 
@@ -147,19 +154,18 @@ def _superseded_modules(owner: fx.GraphModule, nodes: Sequence[fx.Node]) -> list
 
 
 def _drop_call_guards(module: nn.Module) -> None:
-    for key, hook in list(module._forward_pre_hooks.items()):
+    for key, hook in list(forward_pre_hooks(module).items()):
         if isinstance(hook, CallGuard):
-            del module._forward_pre_hooks[key]
-            module._forward_pre_hooks_with_kwargs.pop(key, None)
+            remove_forward_pre_hook(module, key)
 
 
 def _hook_kinds(module: nn.Module) -> list[str]:
     """The kinds of user hooks ``module`` carries (a traced level's CallGuard is not one)."""
     counts = {
-        "fwd_pre": sum(not isinstance(h, CallGuard) for h in module._forward_pre_hooks.values()),
-        "fwd_post": len(module._forward_hooks),
-        "bwd_pre": len(module._backward_pre_hooks),
-        "bwd_post": len(module._backward_hooks),
+        "fwd_pre": sum(not isinstance(h, CallGuard) for h in forward_pre_hooks(module).values()),
+        "fwd_post": len(forward_hooks(module)),
+        "bwd_pre": len(backward_pre_hooks(module)),
+        "bwd_post": len(backward_hooks(module)),
     }
     return [kind for kind, count in counts.items() if count]
 
@@ -270,8 +276,8 @@ def inline(parent: fx.GraphModule, node: fx.Node) -> None:
         raise TypeError(f"{node.target} is not a traced module")
     if child.meta.get("slapo_train_only"):
         raise ValueError(f"{node.target} is traced for train mode only and cannot be inlined")
-    extra_hooks = [h for h in child._forward_pre_hooks.values() if not isinstance(h, CallGuard)]
-    if extra_hooks or child._forward_hooks:
+    extra_hooks = [h for h in forward_pre_hooks(child).values() if not isinstance(h, CallGuard)]
+    if extra_hooks or forward_hooks(child):
         raise ValueError(f"{node.target} has forward hooks, which inlining would drop")
     graph = parent.graph
     given = dict(zip([p.target for p in child.graph.nodes if p.op == "placeholder"], node.args, strict=False))

@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 import torch.fx as fx
 from torch import nn
 
+from megatron_slapo.compat.torch_nn import child_modules, own_tensor_tables
 from megatron_slapo.tracing.tracer import ORIGINAL
-
-TABLES = ("_parameters", "_buffers")
 
 
 @dataclass
@@ -66,10 +65,10 @@ def init_tree(live: nn.Module | None, path: str = "", candidate: nn.Module | Non
     init = _original_of(live, candidate) if live is not None else candidate
     node = InitNode(path, live, init)
     live_children = dict(live.named_children()) if live is not None else {}
-    names = list(init._modules) if init is not live else []
+    names = list(child_modules(init)) if init is not live else []
     names += [name for name in live_children if name not in names]  # modules spliced in after tracing last
     for name in names:
-        original = init._modules.get(name) if init is not live else None
+        original = child_modules(init).get(name) if init is not live else None
         child_live = live_children.get(name)
         if child_live is None and original is None:
             continue
@@ -110,17 +109,17 @@ def originals_see_live(tree: InitNode) -> Iterator[None]:
         for node in tree.modules():
             if node.live is None or node.init is node.live:
                 continue
-            for table in TABLES:
-                original, live = getattr(node.init, table), getattr(node.live, table)
+            for original, live in zip(own_tensor_tables(node.init), own_tensor_tables(node.live), strict=True):
                 saved.append((original, dict(original)))
                 for key in original:
                     if key in live:
                         original[key] = live[key]
-            saved.append((node.init._modules, dict(node.init._modules)))
+            children = child_modules(node.init)
+            saved.append((children, dict(children)))
             for child in node.children:
                 name = child.path.rpartition(".")[2]
-                if child.live is not None and name in node.init._modules:
-                    node.init._modules[name] = child.init
+                if child.live is not None and name in children:
+                    children[name] = child.init
         yield
     finally:
         for table, before in reversed(saved):

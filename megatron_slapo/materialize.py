@@ -18,10 +18,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_slapo.compat.torch_internals import TorchDispatchMode, op_schema
+from megatron_slapo.compat.torch_nn import own_tensor_tables
+from megatron_slapo.compat.transformers_internals import (
+    holds_init_weights,
+    init_weights,
+    is_hf_initialized,
+    mark_hf_initialized,
+    unmark_hf_initialized,
+)
 from megatron_slapo.errors import SchedulingError
-from megatron_slapo.init_tree import TABLES, InitNode
+from megatron_slapo.init_tree import InitNode
 from megatron_slapo.metadata import ShardSpec
 from megatron_slapo.parallel.layout import shard_slice
 
@@ -50,7 +58,7 @@ class WriteTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        for i, arg in enumerate(func._schema.arguments):
+        for i, arg in enumerate(op_schema(func).arguments):
             if arg.alias_info is None or not arg.alias_info.is_write:
                 continue
             value = args[i] if i < len(args) and not arg.kwarg_only else kwargs.get(arg.name)
@@ -118,7 +126,7 @@ class Materializer:
 
         def walk(node: InitNode, owner: nn.Module | None) -> None:
             module = node.init
-            owner = module if isinstance(module, PreTrainedModel) or "_init_weights" in vars(module) else owner
+            owner = module if isinstance(module, PreTrainedModel) or holds_init_weights(module) else owner
             if owner is not None:
                 owners[id(module)] = owner
             for child in node.children:
@@ -131,15 +139,15 @@ class Materializer:
     def protect_finished_tensors(self) -> Iterator[None]:
         """Flag real tensors so that HF's init functions skip them (HF's own ``_is_hf_initialized``)."""
         modules = [*self.root.modules(), *(node.init for node in self.tree.modules())]
-        tensors = {id(t): t for m in modules for table in TABLES for t in getattr(m, table).values() if t is not None}
-        self.flagged = [t for t in tensors.values() if not t.is_meta and not getattr(t, "_is_hf_initialized", False)]
+        tensors = {id(t): t for m in modules for table in own_tensor_tables(m) for t in table.values() if t is not None}
+        self.flagged = [t for t in tensors.values() if not t.is_meta and not is_hf_initialized(t)]
         for t in self.flagged:
-            t._is_hf_initialized = True
+            mark_hf_initialized(t)
         try:
             yield
         finally:
             for t in self.flagged:
-                del t._is_hf_initialized
+                unmark_hf_initialized(t)
 
     def _slots(self, nodes: list[InitNode]) -> list[Slot]:
         """Every slot of the unit's modules: the live modules' (what the model holds) and the
@@ -148,16 +156,16 @@ class Materializer:
         for node in nodes:
             live_ids = set()
             if node.live is not None:
-                for table in TABLES:
-                    for key, t in getattr(node.live, table).items():
+                for table in own_tensor_tables(node.live):
+                    for key, t in table.items():
                         if t is not None:
-                            slots.append(Slot(node.live, getattr(node.live, table), key, t, False))
+                            slots.append(Slot(node.live, table, key, t, False))
                             live_ids.add(id(t))
             if node.init is not node.live:
-                for table in TABLES:
-                    for key, t in getattr(node.init, table).items():
+                for table in own_tensor_tables(node.init):
+                    for key, t in table.items():
                         if t is not None:
-                            slots.append(Slot(node.init, getattr(node.init, table), key, t, id(t) not in live_ids))
+                            slots.append(Slot(node.init, table, key, t, id(t) not in live_ids))
         return slots
 
     def run_unit(self, nodes: list[InitNode], seed: int, keep: set[int] | None = None) -> None:
@@ -189,7 +197,7 @@ class Materializer:
                 slot.table[slot.key] = self._finish(slot, work[id(slot.tensor)])
 
     def _initialize(self, module: nn.Module, derived: set[int]) -> None:
-        direct = [t for table in TABLES for t in getattr(module, table).values() if t is not None]
+        direct = [t for table in own_tensor_tables(module) for t in table.values() if t is not None]
         if direct and all(id(t) in derived for t in direct):
             return  # filled from its origins; drawing random numbers here would shift every later module
         if callable(self.init_weights):
@@ -197,7 +205,7 @@ class Materializer:
             return
         owner = self.hf_owner.get(id(module))
         if owner is not None:
-            owner._init_weights(module)
+            init_weights(owner, module)
         if hasattr(module, "reset_parameters") and any(self._unwritten(t) for t in direct):
             module.reset_parameters()
 
@@ -236,8 +244,8 @@ class Materializer:
         data = data.to(self.device).contiguous()
         new = nn.Parameter(data, requires_grad=original.requires_grad) if isinstance(original, nn.Parameter) else data
         new.__dict__.update(original.__dict__)  # annotations and Megatron's TP attributes
-        if not getattr(new, "_is_hf_initialized", False):
-            new._is_hf_initialized = True  # later (ancestor) units must not re-initialise it
+        if not is_hf_initialized(new):
+            mark_hf_initialized(new)  # later (ancestor) units must not re-initialise it
             self.flagged.append(new)
         self.done[id(original)] = new
         return new

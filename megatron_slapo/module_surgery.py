@@ -1,7 +1,7 @@
 """Rewriting a module in place without changing its class or parameter names.
 
-Two tools the primitives share. :func:`move_hooks` moves what a module carries besides its weights
-(hooks) onto its replacement. The ``*_forward`` functions rewrite a module's forward per instance.
+The ``*_forward`` functions rewrite a module's forward per instance (moving a module's hooks onto
+its replacement is :func:`megatron_slapo.compat.torch_nn.move_hooks`).
 
 Some primitives must change a module's computation without changing its class or its parameter
 names (so HF ``state_dict`` keys and pretrained weights still fit): ``shard`` replaces the maths of
@@ -25,29 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 from torch import nn
-
-_HOOK_DICTS = (
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_backward_pre_hooks",
-    "_backward_hooks",
-)
-
-
-def move_hooks(old: nn.Module, new: nn.Module) -> None:
-    """Give ``new`` the forward/backward hooks of ``old``; the hook dicts themselves move, so
-    handles returned before the move keep working."""
-    for attr in _HOOK_DICTS:
-        hooks = getattr(old, attr)
-        hooks.update(getattr(new, attr))
-        setattr(new, attr, hooks)
-        setattr(old, attr, type(hooks)())  # the old module no longer runs them
-    if getattr(old, "_is_full_backward_hook", None) is not None:
-        new._is_full_backward_hook = old._is_full_backward_hook
-
 
 Wrapper = Callable[..., Any]  # wrapper(inner_forward, *args, **kwargs) -> output
 

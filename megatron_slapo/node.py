@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatron_slapo.compat.torch_nn import own_tensor_tables
 from megatron_slapo.errors import SchedulingError
 from megatron_slapo.metadata import Metadata
 from megatron_slapo.parallel.collectives import group_rank, group_size
@@ -111,15 +112,15 @@ class ScheduleNode:
     # ----- tensors of this node's module --------------------------------------------------------
     def _tensor(self, name: str) -> torch.Tensor:
         """The parameter or buffer ``name`` held directly by this module."""
-        for table in (self.mod._parameters, self.mod._buffers):
+        for table in own_tensor_tables(self.mod):
             if table.get(name) is not None:
                 return table[name]
-        have = [n for table in (self.mod._parameters, self.mod._buffers) for n, t in table.items() if t is not None]
+        have = [n for table in own_tensor_tables(self.mod) for n, t in table.items() if t is not None]
         raise self._error(f"{type(self.mod).__name__} has no parameter or buffer {name!r} (it has: {have})")
 
     def _set_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        table = self.mod._parameters if name in self.mod._parameters else self.mod._buffers
-        table[name] = tensor
+        parameters, buffers = own_tensor_tables(self.mod)
+        (parameters if name in parameters else buffers)[name] = tensor
 
     # ----- errors ---------------------------------------------------------------------------
     def _error(self, message: str, kind: type[Exception] = SchedulingError) -> Exception:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch.fx as fx
 from torch import nn
 
+from megatron_slapo.compat.torch_nn import backward_hooks, backward_pre_hooks, forward_hooks, forward_pre_hooks
 from megatron_slapo.errors import SchedulingError
 from megatron_slapo.graph_edit import graph_order, inline
 from megatron_slapo.kernels.subgraph import SubgraphModule
@@ -112,8 +113,8 @@ def _refuse_dropped(level: Schedule) -> None:
         found.append("checkpoint()")
     if meta.forked_rng:
         found.append("fork_rng()")
-    registered = (*module._forward_pre_hooks.values(), *module._forward_hooks.values(),
-                  *module._backward_pre_hooks.values(), *module._backward_hooks.values())  # fmt: skip
+    registered = (*forward_pre_hooks(module).values(), *forward_hooks(module).values(),
+                  *backward_pre_hooks(module).values(), *backward_hooks(module).values())  # fmt: skip
     hooks = [h for h in registered if not isinstance(h, (CallGuard, InputSync, OutputSync))]  # syncs: listed above
     if hooks:
         found.append(f"{len(hooks)} hook(s)")
@@ -262,7 +263,7 @@ def partition(sch: Schedule, recompute_inputs: bool = False) -> PipelineStages:
         outputs = boundaries[k] if k < len(cut_paths) else None
         stages.append(_stage_module(flat, k, stage_of, inputs, outputs, recompute))
     crossing = [[n.name for n in b] for b in boundaries]
-    for hook in sch.mod._forward_pre_hooks.values():  # stage 0 takes the model's inputs: same guard
+    for hook in forward_pre_hooks(sch.mod).values():  # stage 0 takes the model's inputs: same guard
         if isinstance(hook, CallGuard):
             stages[0].register_forward_pre_hook(hook, with_kwargs=True)
     pipeline = PipelineStages(stages, StagePlan(cut_paths, crossing, _tied(stages), recompute_inputs))

@@ -35,6 +35,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from megatron_slapo.compat.torch_nn import DropoutNd, forward_pre_hooks
 from megatron_slapo.kernels.subgraph import SubgraphModule
 from megatron_slapo.tracing import CallGuard, is_builtin_leaf, meta_copy
 
@@ -99,7 +100,7 @@ def _random(node: fx.Node) -> bool:
 def _module_derived(owner: fx.GraphModule, node: fx.Node, found: Derivation) -> bool:
     """Whether the module call ``node`` depends on input-derived values only; records its stand-ins."""
     module = owner.get_submodule(node.target)
-    if isinstance(module, (SubgraphModule, nn.modules.dropout._DropoutNd)):
+    if isinstance(module, (SubgraphModule, DropoutNd)):
         return False  # a subgraph calls its owner's layers (weights it does not hold); dropout is random
     if next(module.parameters(), None) is not None:
         return False
@@ -154,7 +155,7 @@ def _all_derived(value: Any, found: Derivation) -> bool:
 
 def _guarded_input(module: nn.Module, name: str) -> StandIn | None:
     """The ``(shape, dtype)`` the module's trace guard accepts for tensor input ``name``, if it records one."""
-    for hook in module._forward_pre_hooks.values():
+    for hook in forward_pre_hooks(module).values():
         if isinstance(hook, CallGuard):
             described = hook.inputs.get(name)
             if isinstance(described, tuple) and len(described) == 2 and isinstance(described[1], torch.dtype):

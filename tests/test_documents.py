@@ -7,7 +7,7 @@ import transformers
 from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-from megatron_slapo.data.datasets import SplitSizes, build_gpt_datasets
+from megatron_slapo.data.datasets import Corpus, SplitSizes, build_gpt_datasets
 from megatron_slapo.data.tokenizers import build_tokenizer
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.training.arguments import parse_args, validate_args
@@ -43,7 +43,8 @@ def samples(corpus, *flags):
                               *flags])  # fmt: skip
     validate_args(args, 1)
     tokenizer = build_tokenizer("NullTokenizer", None, None, None, VOCAB)
-    train, _, _ = build_gpt_datasets(args, tokenizer, SplitSizes(8, 0, 0))
+    corpus = Corpus(args.data_path, SEQ, tokenizer.vocab_size, "tokenizer (NullTokenizer)")
+    train, _, _ = build_gpt_datasets(args, tokenizer, corpus, SplitSizes(8, 0, 0))
     return [train[i] for i in range(8)]
 
 

@@ -138,7 +138,7 @@ def test_decoder_stages_start_from_one_process_weights_and_pass_one_activation(f
     reference = ms.build(ms.create_schedule(plain), seed=3).train()
     sch = ms.create_schedule(model)
     layers = transformer_layers(model, num_layers)
-    trace_for_pipeline(sch, GPT_TASK, SimpleNamespace(micro_batch_size=2, seq_length=12), layers)
+    trace_for_pipeline(sch, GPT_TASK, SimpleNamespace(micro_batch_size=2), layers, seq_length=12)
     sch[layers[2]].cut_pipeline_stage()
     pipeline = ms.build(sch, seed=3, recompute_pipeline_inputs=True).train()
     assert [len(values) for values in pipeline.plan.crossing] == [1], pipeline.plan.crossing

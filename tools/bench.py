@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 import transformers
-from torch._C._profiler import _EventType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import megatron_slapo as ms  # noqa: E402
+from megatron_slapo.compat.torch_internals import allocation_events  # noqa: E402
 from megatron_slapo.kernels.vocab import vocab_parallel_cross_entropy  # noqa: E402
 from megatron_slapo.models.layers import transformer_layers  # noqa: E402
 from megatron_slapo.parallel.random import seed  # noqa: E402
@@ -158,12 +158,7 @@ def step_memory(run: Callable[[], None]) -> float:
         return (torch.cuda.max_memory_allocated() - before) / 2**20
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
-    events, nodes = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while nodes:
-        node = nodes.pop()
-        nodes.extend(node.children)
-        if node.tag == _EventType.Allocation:  # alloc_size < 0: a free
-            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
+    events = allocation_events(prof)  # (start, size, total); size < 0: a free
     if not events:
         return 0.0
     events.sort()

@@ -113,6 +113,7 @@ def from_hf(args: argparse.Namespace) -> None:
     from megatron_slapo import parallel
     from megatron_slapo.training.arguments import BERT_MODEL_TYPES, T5_MODEL_TYPES, VISION_MODEL_TYPES
     from megatron_slapo.training.model import (
+        Vocabulary,
         auto_class,
         check_channels,
         check_divisible,
@@ -133,7 +134,7 @@ def from_hf(args: argparse.Namespace) -> None:
                 **dict.fromkeys(T5_MODEL_TYPES, "t5")}  # fmt: skip
     task = families.get(config.model_type, "gpt")
     binary_head = not args.bert_no_binary_head and config.model_type != "roberta"  # as pretrain_bert.py decides
-    model = auto_class(argparse.Namespace(task=task, bert_binary_head=binary_head)).from_pretrained(args.load_hf)
+    model = auto_class(task, binary_head).from_pretrained(args.load_hf)
     true_vocab = padded = None  # an image model has no vocabulary
     if task == "vision":
         check_channels(model.config, tp)
@@ -154,10 +155,12 @@ def from_hf(args: argparse.Namespace) -> None:
     )  # fmt: skip
     os.makedirs(args.save, exist_ok=True)
     engine = _WeightsOnly(model)
+    vocab = Vocabulary(true_vocab, padded) if true_vocab is not None else None
     metadata = checkpointing.export_metadata(
-        model.state_dict(keep_vars=True), type(model).__name__, run_args, model.config, vocab_params
+        model.state_dict(keep_vars=True), type(model).__name__, task, model.config, vocab, vocab_params, tp
     )
-    path = checkpointing.save(engine, run_args, checkpointing.Layout.current(), checkpointing.Resume(), metadata)
+    layout, resume = checkpointing.Layout.current(), checkpointing.Resume()
+    path = checkpointing.save(engine, run_args, layout, resume, metadata, vars(run_args))
     if torch.distributed.get_rank() == 0:
         print(f"wrote {path} (TP {tp}); train from it with --load {args.save} --finetune (or --no-load-optim)")
 

@@ -1,1 +1,12 @@
-"""Every use of a third-party private name or patch, in one place."""
+"""Every use of a third-party private name or patch, in one place, each with the versions it was written against.
+
+One module per library: ``torch_nn`` (``nn.Module``'s tensor, child and hook tables, torch's layer
+bases), ``torch_internals`` (tensor, storage, operator, dispatch and profiler internals), ``dynamo``,
+``fx`` (``MetaTracer``), ``distributed`` (c10d's group registry, the fake backend, collectives
+wrapped), ``megatron_cpu`` (megatron-core on a CPU-only torch), ``megatron_internals`` (its process
+groups), ``transformers_internals``, ``deepspeed_internals``, ``argparse_internals``. ``versions``
+holds the tested version ranges and the check that ``import megatron_slapo`` runs. Nothing else in
+the repository uses another package's private name (tests/test_compat.py lists any that does).
+
+This is the lowest layer: it imports third-party packages and the standard library, nothing of ours.
+"""

@@ -10,6 +10,8 @@ when CUDA is present, so GPU runs use megatron-core unchanged.
 
 Measured in ../shared/notes/cpu-feasibility.md §1: with these shims megatron-core's TP layers, GPT
 model, DDP and pipeline schedules give the same losses on CPU as their references.
+
+Written against megatron-core 0.16 (0.16.1) and torch 2.13.
 """
 
 from __future__ import annotations
@@ -27,7 +29,12 @@ def is_applied() -> bool:
 
 
 def apply() -> None:
-    """Install the CPU shims (idempotent). Call before megatron-core allocates anything."""
+    """Install the CPU shims (idempotent). Call before megatron-core allocates anything.
+
+    Replaces ``torch.cuda``'s ``current_device``, ``synchronize``, ``get_rng_state``,
+    ``set_rng_state`` and ``manual_seed`` process-wide, and megatron-core's private
+    ``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``, which its RNG tracker
+    calls directly: megatron-core has no device setting to use instead. megatron-core 0.16, torch 2.13."""
     global _applied
     if _applied:
         return

@@ -30,6 +30,19 @@ class SplitSizes:
         return [self.train, self.valid, self.test]
 
 
+@dataclass(frozen=True)
+class Corpus:
+    """What a language run's datasets are built from beyond the data flags, as the trainer decided
+    it: the prefixes (``--data-path``, or the embedded corpus's; None with ``--mock-data``), the
+    samples' length (``--seq-length``, or the model's positions), and the ids the model has rows
+    for, with where that number comes from (named when the data holds larger ids)."""
+
+    data_path: list[str] | None
+    seq_length: int
+    vocab_size: int
+    vocabulary: str  # "tokenizer (GPT2BPETokenizer)", "model in --load-hf DIR"
+
+
 def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     """``--data-path PREFIX [PREFIX ...]`` or a blend ``W1 PREFIX1 W2 PREFIX2 ...``."""
     from megatron.core.datasets.utils import get_blend_from_list
@@ -86,19 +99,11 @@ def check_splits(
     return ",".join(f"{v:g}" for v in vector)
 
 
-def _vocabulary(args: Any, tokenizer: Any) -> tuple[int, str]:
-    """The ids the model has rows for, and how to name where that number comes from."""
-    size = getattr(args, "true_vocab_size", None) or tokenizer.vocab_size
-    what = (
-        f"model in --load-hf {args.load_hf}" if getattr(args, "load_hf", None) else f"tokenizer ({args.tokenizer_type})"
-    )
-    return size, what
-
-
-def _common_config(args: Any, tokenizer: Any, prefixes: list[str], weights: list[float] | None, split: str) -> dict:
+def _common_config(args: Any, tokenizer: Any, corpus: Corpus, prefixes: list[str], weights: list[float] | None,
+                   split: str) -> dict:  # fmt: skip
     return dict(
         random_seed=args.seed,
-        sequence_length=args.seq_length,
+        sequence_length=corpus.seq_length,
         blend=(prefixes, weights) if prefixes else None,
         split=split,
         path_to_cache=args.data_cache_path,
@@ -107,15 +112,15 @@ def _common_config(args: Any, tokenizer: Any, prefixes: list[str], weights: list
     )
 
 
-def build_gpt_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
+def build_gpt_datasets(args: Any, tokenizer: Any, corpus: Corpus, sizes: SplitSizes) -> tuple:
     """train/valid/test ``GPTDataset`` (or megatron-core's mock data with ``--mock-data``)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-    prefixes, weights = ([], None) if args.mock_data else parse_data_path(args.data_path)
-    split = check_splits(prefixes, args.split, sizes, *_vocabulary(args, tokenizer)) if prefixes else args.split
+    prefixes, weights = ([], None) if args.mock_data else parse_data_path(corpus.data_path)
+    split = check_splits(prefixes, args.split, sizes, corpus.vocab_size, corpus.vocabulary) if prefixes else args.split
     config = GPTDatasetConfig(
-        **_common_config(args, tokenizer, prefixes, weights, split),
+        **_common_config(args, tokenizer, corpus, prefixes, weights, split),
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
@@ -139,14 +144,15 @@ def _check_word_piece(args: Any, tokenizer: Any, what: str) -> None:
         )
 
 
-def _masked_config(args: Any, tokenizer: Any, sizes: SplitSizes, what: str, max_ngram: int, geometric: bool) -> dict:
+def _masked_config(args: Any, tokenizer: Any, corpus: Corpus, sizes: SplitSizes, what: str, max_ngram: int,
+                   geometric: bool) -> dict:  # fmt: skip
     """The fields megatron-core's masked datasets share: the data, its split, and Megatron's
     masking (--mask-prob of the tokens, whole words, n-grams up to ``max_ngram`` long)."""
     _check_word_piece(args, tokenizer, what)
-    prefixes, weights = parse_data_path(args.data_path)
-    split = check_splits(prefixes, args.split, sizes, *_vocabulary(args, tokenizer))
+    prefixes, weights = parse_data_path(corpus.data_path)
+    split = check_splits(prefixes, args.split, sizes, corpus.vocab_size, corpus.vocabulary)
     return dict(
-        **_common_config(args, tokenizer, prefixes, weights, split),
+        **_common_config(args, tokenizer, corpus, prefixes, weights, split),
         masking_probability=args.mask_prob,
         short_sequence_probability=args.short_seq_prob,
         masking_max_ngram=max_ngram,
@@ -157,17 +163,17 @@ def _masked_config(args: Any, tokenizer: Any, sizes: SplitSizes, what: str, max_
     )
 
 
-def build_bert_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
+def build_bert_datasets(args: Any, tokenizer: Any, corpus: Corpus, sizes: SplitSizes) -> tuple:
     """train/valid/test ``BERTMaskedWordPieceDataset`` (MLM 15%: 80/10/10; sentence-order pairs)."""
     from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
-    config = BERTMaskedWordPieceDatasetConfig(**_masked_config(args, tokenizer, sizes, "BERT", 3, geometric=False),
-                                              classification_head=args.bert_binary_head)  # fmt: skip
+    masked = _masked_config(args, tokenizer, corpus, sizes, "BERT", 3, geometric=False)
+    config = BERTMaskedWordPieceDatasetConfig(**masked, classification_head=args.bert_binary_head)
     return BlendedMegatronDatasetBuilder(BERTMaskedWordPieceDataset, sizes.as_list(), lambda: True, config).build()
 
 
-def build_t5_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
+def build_t5_datasets(args: Any, tokenizer: Any, corpus: Corpus, sizes: SplitSizes) -> tuple:
     """train/valid/test ``T5MaskedWordPieceDataset``: Megatron's span corruption (15% of the tokens
     in spans of 1 to 10, geometrically distributed), each span a sentinel in the encoder's input
     and the sentinel then the span in the decoder's."""
@@ -176,6 +182,6 @@ def build_t5_datasets(args: Any, tokenizer: Any, sizes: SplitSizes) -> tuple:
 
     if not getattr(tokenizer, "extra_tokens", None):
         raise DataError("T5 needs sentinel tokens: give --vocab-extra-ids (Megatron's T5 runs use 100)")
-    config = T5MaskedWordPieceDatasetConfig(**_masked_config(args, tokenizer, sizes, "T5", 10, geometric=True),
+    config = T5MaskedWordPieceDatasetConfig(**_masked_config(args, tokenizer, corpus, sizes, "T5", 10, geometric=True),
                                             sequence_length_decoder=args.decoder_seq_length)  # fmt: skip
     return BlendedMegatronDatasetBuilder(T5MaskedWordPieceDataset, sizes.as_list(), lambda: True, config).build()

@@ -81,12 +81,24 @@ class StepResult:
         return not math.isfinite(self.grad_norm)
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """The model's size in Megatron's terms, which megatron-core's ``TransformerConfig`` requires:
+    its pipeline sizes the messages between stages by ``hidden_size``. The trainer reads it from
+    the HF config (an image model: its last stage's channels, and the TP size as "heads")."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+
+
 class Engine(Protocol):
     """What the trainer asks of every engine (``ENGINES`` in :mod:`megatron_slapo.engines`).
 
     An engine is constructed with the built model (this rank's TP shards; with pipeline
-    parallelism, its stages) and the arguments, and owns everything between a list of micro-batches
-    and an updated model: wrapping, gradient accumulation and reduction, mixed precision, clipping,
+    parallelism, its stages), the arguments, the data- and tensor-parallel groups and the model's
+    :class:`ModelShape` (which only megatron-core reads), and owns everything between a list of
+    micro-batches and an updated model: wrapping, gradient accumulation and reduction, mixed precision, clipping,
     the optimizer, the LR schedule and the loss scale. Every method is collective over the ranks
     that hold the model (call it on every rank, in the same order).
     """

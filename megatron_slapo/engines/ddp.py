@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from megatron_slapo.engines.base import (
     Batch,
+    ModelShape,
     StepResult,
     Task,
     adamw_state,
@@ -38,7 +39,9 @@ class DDPEngine:
     MIXED_PRECISION = {d: f"autocast over fp32 weights: matmuls in {d}, fp32 gradients, reduced in fp32"
                        for d in ("bf16", "fp16")}  # fmt: skip
 
-    def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
+    def __init__(
+        self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group, shape: ModelShape
+    ) -> None:
         """Wrap ``model`` in torch DDP over ``dp_group`` (not at all with one data-parallel rank) and build
         the step's optimizer, LR schedule and loss scaler over its parameters. ``tp_group``: the ranks
         that share its tensor-parallel shards (for the norm and sequence-parallel gradients)."""

@@ -26,8 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron_slapo.compat.deepspeed_internals import convert_to_zero_parameters
 from megatron_slapo.engines.base import (
     Batch,
+    ModelShape,
     StepResult,
     Task,
     accumulate,
@@ -36,7 +38,7 @@ from megatron_slapo.engines.base import (
     tensor_bytes,
     to_device,
 )
-from megatron_slapo.engines.optimizer import build_optimizer, build_scheduler, global_norm, local_part
+from megatron_slapo.engines.optimizer import build_optimizer, build_scheduler, global_norm, half_precision, local_part
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.parallel.collectives import (
     Group,
@@ -161,15 +163,18 @@ def _check_precision_supported(config: dict[str, Any]) -> None:
             )
 
 
-def zero_state(stage: int, local_weight_bytes: int, weight_bytes: int, master_numel: int) -> dict[str, int]:
+def zero_state(stage: int, local_weight_bytes: int, weight_bytes: int, master_numel: int, half: bool) -> dict[str, int]:
     """Bytes under ZeRO ``stage``: the weights stored here (``local_weight_bytes``: ZeRO-3's
     partition, else all ``weight_bytes``); the gradients, a partition of fp32 ones from stage 2,
-    else all in the weights' dtype; the optimizer's ``master_numel`` fp32 master weights (from
-    stage 1) and AdamW's two moments over them. :meth:`DeepSpeedEngine.memory_report`'s, and
-    ``tools/explain.py``'s."""
+    else all in the weights' dtype; AdamW's two fp32 moments over the optimizer's ``master_numel``
+    elements, and from stage 1 an fp32 master copy of them, except under ZeRO-3 with fp32 weights
+    (``half`` False), where DeepSpeed 0.19 steps its partition of the weights in place
+    (``stage3.py``'s ``_create_fp32_partitions``). :meth:`DeepSpeedEngine.memory_report`'s, and
+    ``tools/explain.py``'s; tests/distributed/test_explain.py checks both against the real tensors."""
     master = 4 * master_numel
+    copies = 3 if stage >= 1 and (half or stage < 3) else 2
     return {"params": local_weight_bytes, "grads": master if stage >= 2 else weight_bytes,
-            "optimizer": master * (3 if stage >= 1 else 2)}  # fmt: skip
+            "optimizer": master * copies}  # fmt: skip
 
 
 class DeepSpeedEngine:
@@ -201,11 +206,13 @@ class DeepSpeedEngine:
         def partition(modules: list[nn.Module]) -> None:
             """Partition these modules' own parameters over the data-parallel group now."""
             params = [p for m in modules for p in m.parameters(recurse=False)]
-            init._convert_to_zero_parameters(params)  # zero.Init(module=...) without recursing into other units
+            convert_to_zero_parameters(init, params)  # zero.Init(module=...) without recursing into other units
 
         return partition
 
-    def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
+    def __init__(
+        self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group, shape: ModelShape
+    ) -> None:
         """``deepspeed.initialize`` with our AdamW as its client optimizer and the config from the flags
         (or ``--deepspeed-config``); the LR schedule stays ours (megatron-core's, stepped in samples).
         Sequence-parallel gradients are summed over TP in autograd hooks registered before ZeRO's."""
@@ -236,10 +243,11 @@ class DeepSpeedEngine:
 
     def memory_report(self) -> dict[str, int]:
         """Weights: this rank's ZeRO-3 partition (or all); gradients: a partition from stage 2; the
-        optimizer: fp32 master weights (stages >= 1) and AdamW's two moments over its partition."""
+        optimizer: AdamW's two moments over its partition and fp32 master weights (:func:`zero_state`)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
         local = tensor_bytes([local_part(p) for p in params])
-        return zero_state(self.stage, local, tensor_bytes(params), self._master_numel())
+        half = half_precision(self.args) is not None
+        return zero_state(self.stage, local, tensor_bytes(params), self._master_numel(), half)
 
     def train_step(self, microbatches: list[Batch], task: Task) -> StepResult:
         """DeepSpeed's own loop over the micro-batches (``backward`` scales by the accumulation steps,

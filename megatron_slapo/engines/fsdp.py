@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_slapo.engines.base import (
     Batch,
+    ModelShape,
     StepResult,
     Task,
     adamw_state,
@@ -57,7 +58,9 @@ class FSDPEngine:
     MIXED_PRECISION = {d: f"fp32 sharded weights, gathered in {d} for compute; gradients reduced in fp32"
                        for d in ("bf16", "fp16")}  # fmt: skip
 
-    def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
+    def __init__(
+        self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group, shape: ModelShape
+    ) -> None:
         """Shard ``model`` with FSDP2 over ``dp_group``: one ``fully_shard`` unit per transformer layer and
         one for the rest, with the precision policy of ``--bf16``/``--fp16``; Megatron's tensor-parallel
         tags are put back on the sharded parameters, and the optimizer is built over the shards."""

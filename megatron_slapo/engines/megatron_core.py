@@ -41,6 +41,7 @@ from torch import nn
 from megatron_slapo.compat import megatron_cpu as cpu_compat
 from megatron_slapo.engines.base import (
     Batch,
+    ModelShape,
     StepResult,
     Task,
     average_metrics,
@@ -81,11 +82,14 @@ class MegatronEngine:
         "accumulated and reduced in fp16 (fp32 with --accumulate-allreduce-grads-in-fp32); pipeline messages in fp16",
     }
 
-    def __init__(self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group) -> None:
+    def __init__(
+        self, model: nn.Module, args: argparse.Namespace, dp_group: Group, tp_group: Group, shape: ModelShape
+    ) -> None:
         """Wrap this rank's pipeline stages (``model`` itself without pipeline parallelism) as
         megatron-core model chunks: weights in the training dtype, its DDP per chunk, its optimizer
         (distributed or not) and our LR schedule; tied embeddings are marked so their gradients are
-        summed over the embedding group and counted once in the norm."""
+        summed over the embedding group and counted once in the norm. ``shape`` sizes megatron-core's
+        ``TransformerConfig`` (and so the messages between pipeline stages)."""
         from megatron.core import parallel_state as ps
 
         self.args, self.dp_group, self.tp_group = args, dp_group, tp_group
@@ -100,7 +104,7 @@ class MegatronEngine:
         self.dtype = half_precision(args) or torch.float32
         self.grads_in_fp32 = megatron_fp32_grads(args)
         with cpu_compat.device_mode():
-            self.config = self._transformer_config(total)
+            self.config = self._transformer_config(total, shape)
             self.chunks = [StageChunk(stage, k == 0, k == total - 1, self.config) for k, stage in stages]
             self._mark_tied(model)
             if self.dtype != torch.float32:  # Megatron's --bf16/--fp16: such weights, fp32 main copies in the optimizer
@@ -125,14 +129,14 @@ class MegatronEngine:
             self.config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
 
     # -- construction -----------------------------------------------------------------------------
-    def _transformer_config(self, total_stages: int) -> Any:
+    def _transformer_config(self, total_stages: int, shape: ModelShape) -> Any:
         """The settings megatron-core's schedules and DDP read (p2p shapes, dtypes, VPP size)."""
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         a = self.args
         vpp = total_stages // self.pp_size if total_stages > self.pp_size else None
         return TransformerConfig(
-            num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+            num_layers=shape.num_layers, hidden_size=shape.hidden_size, num_attention_heads=shape.num_attention_heads,
             tensor_model_parallel_size=group_size(self.tp_group), pipeline_model_parallel_size=self.pp_size,
             virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=self.dtype, params_dtype=self.dtype, bf16=a.bf16,
             fp16=a.fp16,

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_slapo.compat.torch_internals import tensor_version
+
 
 class SharedInput:
     """The layers fused, and the parts of the last product that layers have not taken yet, with
@@ -58,7 +60,7 @@ class SharedInput:
         if self.pending is not None:
             source, version, recording, parts = self.pending
             self.pending = None
-            same = source is x and version == x._version and recording == torch.is_grad_enabled()
+            same = source is x and version == tensor_version(x) and recording == torch.is_grad_enabled()
             if not (same and index in parts):  # the layers do not share one input: stop trying
                 self.enabled = False
                 return F.linear(x, layer.weight, layer.bias)
@@ -70,7 +72,7 @@ class SharedInput:
         biases = [other.bias for other in self.layers] if layer.bias is not None else []
         parts = _FusedLinear.apply(x, len(weights), *weights, *biases).split([w.shape[0] for w in weights], dim=-1)
         others = {i: part for i, part in enumerate(parts) if i != index}
-        self.pending = (x, x._version, torch.is_grad_enabled(), others)
+        self.pending = (x, tensor_version(x), torch.is_grad_enabled(), others)
         return parts[index]
 
 

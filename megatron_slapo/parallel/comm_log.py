@@ -3,8 +3,8 @@
 Counting happens where every engine's communication passes: the Python functions of
 ``torch.distributed``. While a :class:`CommLog` is installed they are replaced, in both
 ``torch.distributed`` and ``torch.distributed.distributed_c10d`` (so that ``P2POp`` still recognises
-``isend``/``irecv``), by wrappers that add the payload to a counter keyed ``op[group]``, e.g.
-``all_reduce[tp]``. Our tensor-parallel collectives, megatron-core's pipeline and gradient
+``isend``/``irecv``; :func:`megatron_slapo.compat.distributed.wrap_collectives`), by wrappers that
+add the payload to a counter keyed ``op[group]``, e.g. ``all_reduce[tp]``. Our tensor-parallel collectives, megatron-core's pipeline and gradient
 buffers, DeepSpeed (through ``deepspeed.comm``) and FSDP2 all call these functions; torch DDP's C++
 reducer does not, so :class:`~megatron_slapo.engines.ddp.DDPEngine` routes its buckets through a
 comm hook that does.
@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
+
+from megatron_slapo.compat.distributed import unwrap_collectives, wrap_collectives
 
 
 def _size(t: Any) -> int:
@@ -98,22 +99,11 @@ class CommLog:
         return counted
 
     def install(self) -> CommLog:
-        for op in _PAYLOAD:
-            fn = getattr(c10d, op, None)
-            if fn is None or op in self._originals:
-                continue
-            self._originals[op] = fn
-            wrapper = self._wrap(op, fn)
-            setattr(c10d, op, wrapper)
-            if getattr(dist, op, None) is fn:
-                setattr(dist, op, wrapper)
+        self._originals.update(wrap_collectives([op for op in _PAYLOAD if op not in self._originals], self._wrap))
         return self
 
     def uninstall(self) -> None:
-        for op, fn in self._originals.items():
-            if getattr(dist, op, None) is getattr(c10d, op):
-                setattr(dist, op, fn)
-            setattr(c10d, op, fn)
+        unwrap_collectives(self._originals)
         self._originals.clear()
 
     def take(self) -> dict[str, int]:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_slapo.compat.distributed import fake_store, is_live_group
+from megatron_slapo.compat.megatron_internals import parallel_state_groups
 from megatron_slapo.parallel import random as rng
 
 
@@ -32,24 +34,10 @@ def _destroy_model_parallel() -> None:
     again and again (a test suite, a notebook) would pile up thousands of them."""
     from megatron.core import parallel_state as ps
 
-    groups: dict[int, dist.ProcessGroup] = {}
-
-    def collect(value: object) -> None:
-        if isinstance(value, dist.ProcessGroup):
-            groups[id(value)] = value
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                collect(item)
-        elif isinstance(value, dict):
-            for item in value.values():
-                collect(item)
-
-    for name, value in vars(ps).items():
-        if not name.startswith("__"):  # module globals only (not __builtins__)
-            collect(value)
+    groups = parallel_state_groups()
     ps.destroy_model_parallel()
-    for group in groups.values():
-        if group is not dist.group.WORLD and group in dist.distributed_c10d._world.pg_map:
+    for group in groups:
+        if group is not dist.group.WORLD and is_live_group(group):
             dist.destroy_process_group(group)
     groups.clear()
     gc.collect()  # a group sits in reference cycles: its threads end when it is collected
@@ -147,12 +135,10 @@ def simulate(world_size: int, rank: int, tensor_parallel: int = 1, pipeline_para
     on meta tensors, whatever the cluster. megatron-core's gloo side groups are not created (the
     fake backend cannot host them); nothing that plans uses them.
     """
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # importing it registers "fake"
-
     if dist.is_initialized() and dist.get_backend() != "fake":
         raise RuntimeError("parallel.simulate() plans in a process of its own: this one runs a process group")
     destroy()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     initialize(tensor_parallel, pipeline_parallel, seed=seed, gloo_side_groups=False)
 
 

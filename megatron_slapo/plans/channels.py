@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from megatron_slapo.compat.torch_nn import BatchNormNd
 from megatron_slapo.parallel.collectives import own_part
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class ChannelParallelNorm:
     """Keep this rank's channels of a BatchNorm: weight, bias, running mean and variance."""
 
     def apply(self, sch: Schedule) -> None:
-        if not isinstance(sch.mod, nn.modules.batchnorm._BatchNorm):
+        if not isinstance(sch.mod, BatchNormNd):
             raise sch._error(f"ChannelParallelNorm is for a BatchNorm, not {type(sch.mod).__name__}")
         for name in ("weight", "bias", "running_mean", "running_var"):
             if getattr(sch.mod, name, None) is not None:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from megatron_slapo.compat.transformers_internals import has_default_experts_gate
 from megatron_slapo.parallel import collectives as C
 
 if TYPE_CHECKING:
@@ -79,8 +80,7 @@ def _layout(mod: nn.Module) -> tuple[int, int, int]:
         mod.down_proj.dim(),
     } != {3}:
         raise ValueError("expected 3-D gate_up_proj and down_proj weights (experts x out x in)")
-    gate = getattr(type(mod), "_apply_gate", None)
-    if gate is not None and gate.__name__ != "_default_apply_gate":  # HF's chunk(2): gate half, up half
+    if not has_default_experts_gate(type(mod)):  # HF's chunk(2): gate half, up half
         raise ValueError("its own _apply_gate splits gate from up in a way the split does not know")
     transposed = getattr(mod, "is_transposed", False)  # weights stored (experts x in x out)
     stride = 2 if getattr(mod, "is_concatenated", True) else 1  # interleaved gate/up rows split as they are

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch.fx as fx
-from torch.nn.modules.conv import _ConvNd
 from transformers import PreTrainedModel
 
+from megatron_slapo.compat.torch_nn import ConvNd
 from megatron_slapo.errors import SchedulingError
 from megatron_slapo.kernels.vocab import VocabParallelLMLoss
 from megatron_slapo.parallel.collectives import reduce_backward
@@ -43,7 +43,7 @@ class Placement(Protocol):
 
 def _axes(sch: Schedule) -> tuple[int, int]:
     """The (output, input) feature axes of a Linear-like weight or a convolution's (out, in, *kernel)."""
-    if isinstance(sch.mod, _ConvNd) and sch.mod.groups != 1:
+    if isinstance(sch.mod, ConvNd) and sch.mod.groups != 1:
         raise sch._error(f"a grouped convolution (groups={sch.mod.groups}) cannot split its channels as one")
     axes = linear_axes(sch.mod)
     if axes is None:

@@ -22,7 +22,6 @@ import copy
 import functools
 import inspect
 import sys
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -30,6 +29,13 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from megatron_slapo.compat.transformers_internals import (
+    attn_implementation,
+    calls_attn_method,
+    class_attn_method,
+    set_attn_implementation,
+    set_attn_method,
+)
 from megatron_slapo.primitives.checkpoint import checkpointed
 from megatron_slapo.primitives.registry import primitive
 from megatron_slapo.primitives.rng import on_model_parallel_rng
@@ -49,7 +55,7 @@ def core_kind(module: nn.Module) -> str | None:
     names = code.co_names if code is not None else ()
     if "ALL_ATTENTION_FUNCTIONS" in names and hasattr(module, "config"):
         return "interface"
-    if "_attn" in names and callable(getattr(type(module), "_attn", None)):
+    if calls_attn_method(module, names):
         return "method"
     return None
 
@@ -88,7 +94,7 @@ def _wrapped_interface(name: str) -> str:
 
 
 def _core_attn(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return self.slapo_attention_core(functools.partial(type(self)._attn, self), *args, **kwargs)
+    return self.slapo_attention_core(functools.partial(class_attn_method(type(self)), self), *args, **kwargs)
 
 
 class AttentionCoreMixin:
@@ -108,11 +114,11 @@ class AttentionCoreMixin:
         if core is None:
             core = AttentionCore()
             if kind == "interface":
-                implementation = mod.config._attn_implementation
+                implementation = attn_implementation(mod.config)
                 mod.config = copy.copy(mod.config)  # this module's alone: the model's decides the mask format
-                mod.config._attn_implementation = _wrapped_interface(implementation)
+                set_attn_implementation(mod.config, _wrapped_interface(implementation))
             else:
-                mod._attn = types.MethodType(_core_attn, mod)
+                set_attn_method(mod, _core_attn)
             mod.slapo_attention_core = core
         for flag, wanted in (("fork_rng", fork_rng), ("checkpoint", checkpoint)):
             if wanted and getattr(core, flag):

@@ -19,15 +19,14 @@ tensor-parallel RNG streams and recompute's replay included, so parity holds wit
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch._dynamo.config as dynamo_config
 from torch import nn
 
+from megatron_slapo.compat.dynamo import outside_function_modes, raise_recompile_limits
 from megatron_slapo.graph_edit import why_never_called
 from megatron_slapo.module_surgery import base_forward, set_base_forward
 from megatron_slapo.primitives.registry import primitive
@@ -66,20 +65,12 @@ class CompiledForward:
         return CompiledForward(copy.deepcopy(self.fn, memo), self.backend)
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with _outside_function_modes():
+        # Without the active TorchFunctionModes (the CPU shim's, around megatron-core's schedules:
+        # see megatron_slapo.compat.megatron_cpu). Compiled code is specialised to the modes it ran
+        # under, and a recompute in the backward runs outside them: with the modes popped, the
+        # forward and its recompute run the same graph.
+        with outside_function_modes():
             return self.compiled(module, *args, **kwargs)
-
-
-@contextlib.contextmanager
-def _outside_function_modes() -> Iterator[None]:
-    """Run without the active ``TorchFunctionMode``s (the CPU shim's, around megatron-core's
-    schedules: see :mod:`megatron_slapo.compat.megatron_cpu`). Compiled code is specialised to
-    the modes it ran under, and a recompute in the backward runs outside them: with the modes
-    popped, the forward and its recompute run the same graph."""
-    with contextlib.ExitStack() as stack:
-        while torch.overrides._get_current_function_mode_stack():
-            stack.enter_context(torch.overrides._pop_mode_temporarily())
-        yield
 
 
 def apply_compiles(sch: ScheduleNode) -> list[str]:
@@ -94,7 +85,5 @@ def apply_compiles(sch: ScheduleNode) -> list[str]:
     # Layers that hold patched forwards (row-parallel layers under tensor parallelism) each get
     # their own version, guarded on those objects: allow enough for every compiled module (the
     # repeats are cheap, inductor's cache holds their code).
-    limit = 4 * len(paths) + 8
-    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, limit)
-    dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 16 * limit)
+    raise_recompile_limits(4 * len(paths) + 8)
     return paths

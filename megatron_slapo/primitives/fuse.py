@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from megatron_slapo.compat.torch_nn import forward_hooks, forward_pre_hooks
 from megatron_slapo.graph_edit import check_vertical, extract, splice
 from megatron_slapo.kernels.compiled import CompiledSubgraph
 from megatron_slapo.kernels.linear import DecomposedConv1D, DecomposedLinear
@@ -62,7 +63,7 @@ class FuseMixin:
             node = next((n for n in owner.mod.graph.nodes if n.op == "call_module" and n.target == target), None)
         if node is not None:
             meta = self.metadata
-            if meta.shards or meta.syncs or mod._forward_hooks or mod._forward_pre_hooks or mod.__dict__.get("forward"):
+            if meta.shards or meta.syncs or forward_hooks(mod) or forward_pre_hooks(mod) or mod.__dict__.get("forward"):
                 raise self._error("decompose() on a traced layer rewrites it as ops and would drop its shards, syncs "
                                   "and hooks: decompose it before tracing")  # fmt: skip
             _decompose_in_graph(owner.mod, node, mod)

@@ -22,9 +22,9 @@ we do not know: ``shard`` refuses the placements that would have to rewrite that
 from __future__ import annotations
 
 from torch import nn
-from torch.nn.modules.conv import _ConvNd
 from transformers.pytorch_utils import Conv1D
 
+from megatron_slapo.compat.torch_nn import ConvNd
 from megatron_slapo.kernels.linear import DecomposedConv1D, DecomposedLinear
 from megatron_slapo.metadata import Role
 
@@ -32,7 +32,7 @@ from megatron_slapo.metadata import Role
 def linear_axes(module: nn.Module) -> tuple[int, int] | None:
     """``(output_axis, input_axis)`` of a Linear-like weight (a convolution's channels count as its
     features; a grouped one's do not split as one), or ``None`` for other modules."""
-    if isinstance(module, nn.Linear) or (isinstance(module, _ConvNd) and module.groups == 1):
+    if isinstance(module, nn.Linear) or (isinstance(module, ConvNd) and module.groups == 1):
         return 0, 1
     if isinstance(module, Conv1D):
         return 1, 0
@@ -42,7 +42,7 @@ def linear_axes(module: nn.Module) -> tuple[int, int] | None:
 def feature_axis(module: nn.Module) -> int:
     """Where a layer's output holds its features: last in a Linear's ``(..., features)``, second in
     a convolution's ``(batch, channels, ...)``."""
-    return 1 if isinstance(module, _ConvNd) else -1
+    return 1 if isinstance(module, ConvNd) else -1
 
 
 # Forwards whose computation is known to be the layer's plain maths (``x W^T + b`` for Linear-likes,

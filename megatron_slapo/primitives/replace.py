@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from megatron_slapo.compat.torch_nn import move_hooks, own_tensor_tables
 from megatron_slapo.graph_edit import external_users, hooks_left_behind, splice
-from megatron_slapo.module_surgery import move_hooks
 from megatron_slapo.pattern import Subgraph
 from megatron_slapo.primitives.registry import primitive
 
@@ -46,8 +46,7 @@ def _move_tensors(old: nn.Module, new: nn.Module) -> list[str]:
         new_owner = new_modules.get(prefix)
         if new_owner is None:
             continue
-        for table in ("_parameters", "_buffers"):
-            old_table, new_table = getattr(old_owner, table), getattr(new_owner, table)
+        for old_table, new_table in zip(own_tensor_tables(old_owner), own_tensor_tables(new_owner), strict=True):
             for name, tensor in old_table.items():
                 target = new_table.get(name)
                 if tensor is None or target is None:

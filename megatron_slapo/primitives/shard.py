@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.nn.modules.conv import _ConvNd
 from transformers.pytorch_utils import Conv1D
 
+from megatron_slapo.compat.torch_nn import ConvNd, own_tensor_tables
 from megatron_slapo.metadata import Role, ShardSpec
 from megatron_slapo.module_surgery import set_base_forward
 from megatron_slapo.parallel.layout import shard_slice, sharded_shape
@@ -48,8 +48,8 @@ _SIZE_ATTRS = {  # (module type, role) -> attribute that holds the now-local fea
     (nn.Linear, Role.ROW): ("in_features", 1),
     (nn.Embedding, Role.VOCAB): ("num_embeddings", 0),
     (nn.Embedding, Role.EMBEDDING_COLUMN): ("embedding_dim", 1),
-    (_ConvNd, Role.COLUMN): ("out_channels", 0),
-    (_ConvNd, Role.ROW): ("in_channels", 1),
+    (ConvNd, Role.COLUMN): ("out_channels", 0),
+    (ConvNd, Role.ROW): ("in_channels", 1),
 }
 
 
@@ -89,7 +89,7 @@ class ShardMixin:
         holders = [
             (node, name)
             for _, node in self.root.named_schedules()
-            for name, t in chain(node.mod._parameters.items(), node.mod._buffers.items())
+            for name, t in chain(*(table.items() for table in own_tensor_tables(node.mod)))
             if t is tensor
         ]
         for node, name in holders:  # check every holder before changing any of them
@@ -159,7 +159,7 @@ def _forward_rewrite_problem(node: ScheduleNode, param_name: str, axis: int) -> 
 
 
 def _known_base(mod: nn.Module) -> str:
-    for base in (nn.Linear, Conv1D, nn.Embedding, _ConvNd):
+    for base in (nn.Linear, Conv1D, nn.Embedding, ConvNd):
         if isinstance(mod, base):
             return base.__name__
     return type(mod).__name__

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.conv import _ConvNd
 
+from megatron_slapo.compat.torch_nn import ConvNd, conv_without_bias, forward_hooks
 from megatron_slapo.graph_edit import why_never_called
 from megatron_slapo.kernels.vocab import vocab_parallel_embedding
 from megatron_slapo.metadata import Role
@@ -95,13 +95,13 @@ class RowParallelForward:
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         if isinstance(module, nn.Linear):
             y = F.linear(x, module.weight)
-        elif isinstance(module, _ConvNd):
-            y = module._conv_forward(x, module.weight, None)
+        elif isinstance(module, ConvNd):
+            y = conv_without_bias(module, x)
         else:  # HF Conv1D: weight is (in, out)
             y = torch.mm(x.reshape(-1, x.size(-1)), module.weight).view(*x.shape[:-1], -1)
         for reduce in self.reductions:
             y = reduce(y, fresh=True)
-        if isinstance(module, _ConvNd):  # one bias per channel, dim 1
+        if isinstance(module, ConvNd):  # one bias per channel, dim 1
             return y + module.bias.view(-1, *[1] * (y.dim() - 2))
         return y + module.bias
 
@@ -243,7 +243,7 @@ class SyncMixin:
         row-parallel nn.Linear / Conv1D without a bias, its forward neither overridden, patched nor hooked."""
         mod = self.mod
         return (self.metadata.role is Role.ROW and own_forward(mod) is None and "forward" not in mod.__dict__
-                and not mod._forward_hooks)  # fmt: skip
+                and not forward_hooks(mod))  # fmt: skip
 
     def _default_gather_backward(self: ScheduleNode, mode: str) -> str:
         role = self.metadata.role

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from megatron_slapo.module_surgery import move_hooks
+from megatron_slapo.compat.torch_nn import forward_hooks, forward_pre_hooks, move_hooks
 from megatron_slapo.primitives.registry import primitive
 from megatron_slapo.tracing import is_builtin_leaf, make_call, trace_module
 
@@ -67,7 +67,7 @@ class TraceMixin:
             meta = node.metadata
             done = [name for name, applied in (("checkpoint", meta.checkpointed), ("fork_rng", meta.forked_rng),
                                                ("shard", meta.shards), ("sync", meta.syncs)) if applied]  # fmt: skip
-            if node.mod._forward_hooks or node.mod._forward_pre_hooks:
+            if forward_hooks(node.mod) or forward_pre_hooks(node.mod):
                 done.append("forward hooks")
             if done:
                 where = path or "this module"

@@ -1,8 +1,9 @@
 """Fixes to torch's ``MetaTracer`` (meta-tensor shape propagation during fx tracing).
 
 MetaTracer evaluates every traced op on meta tensors to know shapes while tracing; a few of its
-behaviours break HF code. The fixes are in effect only inside :func:`meta_tracer_fixes` (patched
-module attributes, restored after), plus helpers the tracer uses to evaluate ops itself.
+behaviours break HF code. The fixes are in effect only inside :func:`meta_tracer_fixes` (module
+attributes patched by :mod:`megatron_slapo.compat.fx`, restored after), plus helpers the tracer
+uses to evaluate ops itself.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ import torch
 import torch.fx as fx
 from torch.fx.experimental import meta_tracer
 
+from megatron_slapo.compat.fx import has_tensor_meta, meta_tracer_patched
+from megatron_slapo.compat.transformers_internals import experts_implementation
+
 
 def metas(value: Any) -> Any:
     """MetaTracer's proxys_to_metas, plus attribute proxies (``outputs.last_hidden_state``), whose
     meta MetaTracer never computes: it is the attribute of the owner's meta."""
     if isinstance(value, meta_tracer.MetaAttribute) and not isinstance(value, meta_tracer.MetaDeviceAttribute):
-        if "_tensor_meta" not in value.__dict__:
+        if not has_tensor_meta(value):
             return getattr(metas(value.root), value.attr)
     return _original_proxys_to_metas(value)
 
@@ -69,18 +73,8 @@ def meta_tracer_fixes() -> Iterator[None]:
     - it never computes metas of attribute proxies (``outputs.last_hidden_state``): see :func:`metas`;
     - ``MetaProxy.size(0)`` returns the whole shape: see :func:`_size`.
     """
-    where = meta_tracer.manual_meta_overrides.pop(torch.where, None)
-    previous = meta_tracer.proxys_to_metas  # re-entrant: child levels are traced inside a parent's trace
-    previous_size = meta_tracer.MetaProxy.size
-    meta_tracer.proxys_to_metas = metas  # MetaTracer looks it up in its module at call time
-    meta_tracer.MetaProxy.size = _size
-    try:
+    with meta_tracer_patched(metas, _size):  # re-entrant: child levels are traced inside a parent's trace
         yield
-    finally:
-        meta_tracer.proxys_to_metas = previous
-        meta_tracer.MetaProxy.size = previous_size
-        if where is not None:
-            meta_tracer.manual_meta_overrides[torch.where] = where
 
 
 @contextlib.contextmanager
@@ -90,34 +84,8 @@ def experts_on_meta(module: torch.nn.Module) -> Iterator[None]:
     FlopCounterMode counts none of its FLOPs), and ``eager`` branches on which experts are used.
     ``batched_mm`` has the same shapes and does the same multiplies, each token times its experts."""
     configs = {id(m.config): m.config for m in module.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "config")}
-    before = {key: c._experts_implementation for key, c in configs.items()}
-    for config in configs.values():
-        config._experts_implementation = "batched_mm"
-    try:
+    with experts_implementation(configs.values(), "batched_mm"):
         yield
-    finally:
-        for key, config in configs.items():
-            config._experts_implementation = before[key]
-
-
-@contextlib.contextmanager
-def unpacked_on_meta() -> Iterator[None]:
-    """HF's masks look for packed sequences in ``position_ids`` (positions that restart) and branch
-    on the answer, which a meta tensor cannot give. On meta, sequences are taken as unpacked: the
-    mask then has the shape it has for the trainer's batches (one sequence a row, or a 4D mask of
-    documents given explicitly, which skips the search)."""
-    from transformers import masking_utils
-
-    search = masking_utils.find_packed_sequence_indices
-
-    def unpacked_if_meta(position_ids: torch.Tensor) -> torch.Tensor | None:
-        return None if position_ids.is_meta else search(position_ids)
-
-    masking_utils.find_packed_sequence_indices = unpacked_if_meta
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = search
 
 
 def evaluate_on_meta(kind: str, target: Any, args: tuple, kwargs: dict) -> Any:

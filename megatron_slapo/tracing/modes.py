@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from megatron_slapo.compat.torch_internals import SDPA_FUNCTIONS
 from megatron_slapo.tracing.guard import Call
 from megatron_slapo.tracing.tracer import Traced, install, trace_level
 
@@ -23,7 +24,6 @@ def dropout_p_when_training(training: bool, p: float) -> float:
     return p if training else 0.0
 
 
-_SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 _DROPOUT = (torch.nn.functional.dropout,)
 
 
@@ -39,7 +39,7 @@ def _mode_blind(graph: fx.Graph) -> list[tuple]:
 
     sig = []
     for node in graph.nodes:
-        dropout = node.op == "call_function" and node.target in _SDPA + _DROPOUT
+        dropout = node.op == "call_function" and node.target in SDPA_FUNCTIONS + _DROPOUT
         kwargs = {k: norm(v, k if dropout else None) for k, v in node.kwargs.items()}
         sig.append((node.op, _target_name(node.target), norm(node.args), kwargs))
     return sig
@@ -55,7 +55,7 @@ def _target_name(target: Any) -> str:
 def _make_dropout_mode_aware(gm: fx.GraphModule) -> None:
     """Dropout in functional attention read ``self.training`` at trace time; read it at run time."""
     graph = gm.graph
-    targets = [n for n in graph.nodes if n.op == "call_function" and n.target in _SDPA + _DROPOUT]
+    targets = [n for n in graph.nodes if n.op == "call_function" and n.target in SDPA_FUNCTIONS + _DROPOUT]
     if not targets:
         return
     last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
@@ -63,7 +63,7 @@ def _make_dropout_mode_aware(gm: fx.GraphModule) -> None:
         training = graph.create_node("get_attr", "training")  # a bool attribute: skip get_attr's tensor check
     for node in targets:
         with graph.inserting_before(node):
-            if node.target in _SDPA and node.kwargs.get("dropout_p"):
+            if node.target in SDPA_FUNCTIONS and node.kwargs.get("dropout_p"):
                 p = graph.call_function(dropout_p_when_training, (training, node.kwargs["dropout_p"]))
                 node.kwargs = {**node.kwargs, "dropout_p": p}
             elif node.target in _DROPOUT and "training" in node.kwargs:

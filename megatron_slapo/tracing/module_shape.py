@@ -14,6 +14,8 @@ from typing import Any
 import torch.fx as fx
 from torch import nn
 
+from megatron_slapo.compat.torch_nn import child_modules, non_persistent_buffers, own_buffers, own_parameters
+
 
 def graph_module(module: nn.Module, graph: fx.Graph, constants: dict[str, Any]) -> fx.GraphModule:
     """The ``GraphModule`` running ``graph`` in place of ``module``, with ``module``'s shape;
@@ -48,9 +50,10 @@ def _keep_unused_children(gm: fx.GraphModule, module: nn.Module, graph: fx.Graph
     ``shared``, whose table each stack looks up through its own alias), stays a child: its
     tensors keep their state-dict names and the initialisation unit that gives them their values."""
     referenced = {str(n.target).split(".")[0] for n in graph.nodes if n.op in ("call_module", "get_attr")}
-    unused = [name for name in module._modules if name not in referenced and name not in gm._modules]
+    children = child_modules(module)
+    unused = [name for name in children if name not in referenced and name not in child_modules(gm)]
     for name in unused:
-        gm.add_module(name, module._modules[name])
+        gm.add_module(name, children[name])
     setattr(gm, UNUSED, frozenset(unused))
 
 
@@ -66,7 +69,8 @@ def _keep_containers(gm: fx.GraphModule, module: nn.Module) -> None:
             owner = gm.get_submodule(owner_path) if owner_path else gm
         except AttributeError:
             continue  # the graph calls none of its layers
-        if type(rebuilt) is nn.Module and all(c is container._modules.get(k) for k, c in rebuilt._modules.items()):
+        layers = child_modules(container)
+        if type(rebuilt) is nn.Module and all(c is layers.get(k) for k, c in child_modules(rebuilt).items()):
             setattr(owner, leaf, container)
 
 
@@ -82,8 +86,8 @@ def _keep_inlined_layers(gm: fx.GraphModule, module: nn.Module) -> None:
             owner = gm.get_submodule(owner_path) if owner_path else gm
         except AttributeError:
             continue
-        if type(owner._modules.get(leaf)) is nn.Module:
-            owner._modules[leaf] = layer
+        if type(child_modules(owner).get(leaf)) is nn.Module:
+            child_modules(owner)[leaf] = layer
 
 
 def _keep_parameters(gm: fx.GraphModule, module: nn.Module) -> None:
@@ -95,7 +99,7 @@ def _keep_parameters(gm: fx.GraphModule, module: nn.Module) -> None:
             owner = gm.get_submodule(owner_path) if owner_path else gm
         except AttributeError:
             continue  # a submodule the graph never calls
-        if leaf not in owner._parameters:
+        if leaf not in own_parameters(owner):
             owner.register_parameter(leaf, param)
 
 
@@ -103,13 +107,13 @@ def _keep_buffer_persistence(gm: fx.GraphModule, module: nn.Module) -> None:
     """fx registers every buffer as persistent; those that were not (Llama's ``inv_freq``, BERT's
     ``position_ids``) stay out of the state dict, so checkpoint keys do not depend on tracing."""
     for prefix, owner in module.named_modules(remove_duplicate=False):
-        for leaf in owner._non_persistent_buffers_set:
+        for leaf in non_persistent_buffers(owner):
             try:
                 traced_owner = gm.get_submodule(prefix) if prefix else gm
             except AttributeError:
                 continue  # a submodule the graph never calls
-            if leaf in traced_owner._buffers:
-                traced_owner._non_persistent_buffers_set.add(leaf)
+            if leaf in own_buffers(traced_owner):
+                non_persistent_buffers(traced_owner).add(leaf)
 
 
 def _keep_child_order(gm: fx.GraphModule, module: nn.Module) -> None:
@@ -122,5 +126,6 @@ def _keep_child_order(gm: fx.GraphModule, module: nn.Module) -> None:
         except AttributeError:
             continue  # a submodule the graph never calls
         if rebuilt is not original:
-            for child in [c for c in original._modules if c in rebuilt._modules]:
-                rebuilt._modules[child] = rebuilt._modules.pop(child)
+            children = child_modules(rebuilt)
+            for child in [c for c in child_modules(original) if c in children]:
+                children[child] = children.pop(child)

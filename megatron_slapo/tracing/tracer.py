@@ -22,6 +22,9 @@ from transformers import activations as hf_activations
 from transformers.pytorch_utils import Conv1D
 from transformers.utils import ModelOutput
 
+from megatron_slapo.compat.fx import has_tensor_meta, module_call_unpatched, module_getattr_disabled, rename_node
+from megatron_slapo.compat.torch_internals import view_base
+from megatron_slapo.compat.transformers_internals import copy_init_weights
 from megatron_slapo.tracing.guard import Call, CallGuard, TraceError, forward_signature
 from megatron_slapo.tracing.meta_fixes import (
     all_metas,
@@ -33,7 +36,6 @@ from megatron_slapo.tracing.meta_fixes import (
 )
 from megatron_slapo.tracing.module_shape import graph_module
 
-_ORIGINAL_MODULE_CALL = nn.Module.__call__
 ORIGINAL = "slapo_original"  # GraphModule.meta key: the module a level was traced from, if it had meta tensors
 # Layers that stay one node, besides every module defined in torch.nn (fx's default): HF's Conv1D
 # and HF's activation modules (so that find() can match them against F.gelu and friends).
@@ -177,11 +179,8 @@ class _Tracer(MetaTracer):
             call = make_call(child, meta_args, meta_kwargs)
             call.sources = bind_call(child, *fx.node.map_aggregate((args, kwargs), _node_of))
             child_path = f"{self.path}.{qualname}" if self.path else qualname
-            self._disable_module_getattr = True  # the nested tracer copies modules: keep ours out of it
-            try:
+            with module_getattr_disabled(self):  # the nested tracer copies modules: keep ours out of it
                 self.children[qualname] = trace_level(child, call, child_path, self.flatten, self.user_leaves)
-            finally:
-                self._disable_module_getattr = False
             proxy.install_tensor_meta(self.children[qualname].output_meta)
         else:
             meta_args, meta_kwargs = fx.node.map_aggregate((meta_args, meta_kwargs), all_metas)  # weights are meta
@@ -196,7 +195,7 @@ class _Tracer(MetaTracer):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
-        if "_tensor_meta" not in proxy.__dict__:
+        if not has_tensor_meta(proxy):
             try:
                 meta = evaluate_on_meta(kind, target, args, kwargs)
             except Exception:  # noqa: BLE001 - the first failure is the one to report
@@ -210,16 +209,10 @@ class _Tracer(MetaTracer):
 
     def _run_on_meta(self, target: str, args: tuple, kwargs: dict) -> Any:
         # fx has patched Module.__call__ to record calls; a leaf that calls its own children needs it back.
-        patched_call = nn.Module.__call__
-        self._disable_module_getattr = True
-        nn.Module.__call__ = _ORIGINAL_MODULE_CALL
-        leaf = self.meta_root.get_submodule(target)
-        try:
+        with module_getattr_disabled(self), module_call_unpatched():
+            leaf = self.meta_root.get_submodule(target)
             with experts_on_meta(leaf):
                 return leaf(*args, **kwargs)
-        finally:
-            nn.Module.__call__ = patched_call
-            self._disable_module_getattr = False
 
 
 def meta_copy(module: nn.Module) -> nn.Module:
@@ -264,7 +257,7 @@ def _views_of_buffers(graph: fx.Graph, wrapper: nn.Module, module: nn.Module) ->
         if node.op != "get_attr" or node.target.startswith("inner."):
             continue
         value = getattr(wrapper, node.target)
-        name = buffers.get(id(getattr(value, "_base", None)))
+        name = buffers.get(id(view_base(value)))
         if name is None:
             continue
         with graph.inserting_before(node):
@@ -282,7 +275,7 @@ def _strip_prefix(graph: fx.Graph) -> None:
         if node.op in ("call_module", "get_attr") and isinstance(node.target, str) and node.target.startswith("inner."):
             node.target = node.target[len("inner.") :]
         if node.name.startswith("inner_") and node.name != "inner_self":  # "self" would shadow the module
-            node._rename(node.name[len("inner_") :])
+            rename_node(node, node.name[len("inner_") :])
 
 
 def _rebuild_model_output(graph: fx.Graph, out_type: type) -> None:
@@ -348,8 +341,7 @@ def trace_level(
         child.call.sources = fx.node.map_arg(child.call.sources, lambda n: moved.get(n, n))
     _rebuild_model_output(graph, wrapper.__dict__.get("out_type"))
     gm = graph_module(module, graph, constants)
-    if hasattr(module, "_init_weights"):  # an HF model's initialiser: build() still needs it for new weights
-        gm._init_weights = module._init_weights
+    copy_init_weights(module, gm)  # an HF model's initialiser: build() still needs it for new weights
     if any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
         gm.meta[ORIGINAL] = module  # build() initialises as the untraced module would (megatron_slapo/init_tree.py)
     gm.train(module.training)

@@ -16,6 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from megatron_slapo.compat.argparse_internals import parser_actions
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.training.trainer_args import check_trainer_args, resolve_training_length
 
@@ -318,7 +319,7 @@ def parse_args(task: str, argv: Sequence[str] | None = None) -> argparse.Namespa
     defaults = VISION_DEFAULTS if task == "vision" else embedded if args.embedded_data else {}
     if defaults:
         given = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
-        flags = {a.dest: set(a.option_strings) for a in parser._actions}
+        flags = {a.dest: set(a.option_strings) for a in parser_actions(parser)}
         shaped_elsewhere = args.load_hf or args.hf_config
         passed = {name for name, options in flags.items() if options & given}
         for name, value in defaults.items():

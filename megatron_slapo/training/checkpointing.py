@@ -40,6 +40,7 @@ from megatron_slapo.engines.base import Engine
 from megatron_slapo.errors import CheckpointError
 from megatron_slapo.parallel.random import get_rng_tracker
 from megatron_slapo.parallel.state import Layout
+from megatron_slapo.training.model import Vocabulary
 
 LATEST = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
@@ -145,34 +146,37 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     get_rng_tracker().set_states(state["tracker"])
 
 
-def export_metadata(tensors: dict[str, torch.Tensor], model_class: str, args: argparse.Namespace, config: Any,
-                    vocab_params: list[str]) -> dict:  # fmt: skip
-    """What ``tools/convert_checkpoint.py`` needs to rebuild the HF model (class ``model_class``) from
-    the shards; ``tensors`` are this rank's (``state_dict(keep_vars=True)``), whose shard layout it records."""
+def export_metadata(tensors: dict[str, torch.Tensor], model_class: str, task: str, config: Any,
+                    vocab: Vocabulary | None, vocab_params: list[str], tensor_parallel_size: int) -> dict:  # fmt: skip
+    """What ``tools/convert_checkpoint.py`` needs to rebuild the HF model (class ``model_class``, of
+    ``pretrain_<task>.py``) from the shards; ``tensors`` are this rank's (``state_dict(keep_vars=True)``),
+    whose shard layout it records; ``vocab`` (None for an image model) tells export which rows of
+    ``vocab_params`` are padding."""
     shards = {
         name: [t.partition_dim, t.partition_stride]
         for name, t in tensors.items()
         if getattr(t, "tensor_model_parallel", False)
     }
     return {
-        "task": args.task,
+        "task": task,
         "model_class": model_class,
         "hf_config": config.to_json_string(),
         "shards": shards,
         "vocab": {
-            "true": getattr(args, "true_vocab_size", None),
-            "padded": getattr(args, "padded_vocab_size", None),
+            "true": vocab.true_size if vocab else None,
+            "padded": vocab.padded_size if vocab else None,
             "params": vocab_params,
         },  # fmt: skip
-        "tensor_parallel_size": args.tensor_model_parallel_size,
+        "tensor_parallel_size": tensor_parallel_size,
     }
 
 
 def save(
-    engine: Engine, args: argparse.Namespace, layout: Layout, resume: Resume, metadata: dict
+    engine: Engine, args: argparse.Namespace, layout: Layout, resume: Resume, metadata: dict, recorded: dict[str, Any]
 ) -> str:  # fmt: skip
     """Write iteration ``resume.iteration`` to ``args.save`` crash-safely (see the module docstring);
-    return its directory. Collective: every rank calls it."""
+    return its directory. ``recorded``: the arguments as the run used them, Megatron's ``args``
+    entry (``tools/convert_checkpoint.py`` rebuilds the tokenizer from it). Collective: every rank calls it."""
     final = iteration_dir(args.save, resume.iteration)
     tmp = final + ".tmp"
     _print_rank_0(f"saving checkpoint at iteration {resume.iteration:7d} to {args.save}")
@@ -188,7 +192,7 @@ def save(
     state = engine.state_dict(tmp, include_optimizer=not args.no_save_optim)
     if layout.dp_rank == 0:
         state.update(
-            checkpoint_version=VERSION, iteration=resume.iteration, args=json.dumps(vars(args), default=str),
+            checkpoint_version=VERSION, iteration=resume.iteration, args=json.dumps(recorded, default=str),
             engine=getattr(args, "engine", None), consumed_train_samples=resume.consumed_train_samples,
             consumed_valid_samples=resume.consumed_valid_samples, slapo=metadata,
         )  # fmt: skip

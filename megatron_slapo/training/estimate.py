@@ -35,6 +35,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import megatron_slapo as ms
 from megatron_slapo import parallel
+from megatron_slapo.compat.torch_internals import storage_key
+from megatron_slapo.compat.transformers_internals import unpacked_on_meta
 from megatron_slapo.data.samplers import data_loader
 from megatron_slapo.engines.base import adamw_state
 from megatron_slapo.engines.deepspeed_zero import deepspeed_config, zero_state
@@ -43,7 +45,7 @@ from megatron_slapo.engines.optimizer import half_precision, megatron_fp32_grads
 from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.pipeline import PipelineStages
-from megatron_slapo.tracing.meta_fixes import experts_on_meta, unpacked_on_meta
+from megatron_slapo.tracing.meta_fixes import experts_on_meta
 from megatron_slapo.training.loop import Plan, prepare
 
 DEEPSPEED_MAX_LIVE = 10**9  # DeepSpeed's stage3_max_live_parameters / max_reuse_distance defaults
@@ -87,7 +89,7 @@ class _Meter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        key = storage._cdata  # a meta storage has no address; its StorageImpl is what views share
+        key = storage_key(storage)  # a meta storage has no address; its StorageImpl is what views share
         if key not in self.weights and key not in self._seen:
             self._seen.add(key)
             self.saved[self._stage] += storage.nbytes()
@@ -141,7 +143,7 @@ def _run_stages(model: PipelineStages, plan: Plan, batch: dict, meter: _Meter) -
 
 
 def _meta_pass(plan: Plan, model: torch.nn.Module, batch: dict) -> tuple[_Meter, list[int]]:
-    weights = {p.untyped_storage()._cdata for p in model.parameters()}
+    weights = {storage_key(p.untyped_storage()) for p in model.parameters()}
     meter = _Meter(weights)
     with meter.installed(), unpacked_on_meta(), experts_on_meta(model):
         if isinstance(model, PipelineStages):
@@ -208,7 +210,8 @@ def _state_bytes(args: argparse.Namespace, w: _Weights, dp: int, stage: int | No
     if args.engine == "megatron":
         return megatron_state(args, numel, dp)
     weight = _weight_bytes(args)
-    state = zero_state(stage, weight * (shard if stage == 3 else numel), weight * numel, shard if stage else numel)
+    local = weight * (shard if stage == 3 else numel)
+    state = zero_state(stage, local, weight * numel, shard if stage else numel, half_precision(args) is not None)
     if stage == 3 and dp > 1:
         state["gathered"] = weight * min(numel, DEEPSPEED_MAX_LIVE)
     return state

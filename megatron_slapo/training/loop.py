@@ -14,19 +14,20 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 import megatron_slapo as ms
 from megatron_slapo import parallel
+from megatron_slapo.compat.transformers_internals import attn_implementation
 from megatron_slapo.data import embedded
-from megatron_slapo.data.datasets import SplitSizes
+from megatron_slapo.data.datasets import Corpus, SplitSizes
 from megatron_slapo.data.samplers import data_loader
 from megatron_slapo.data.tokenizers import build_tokenizer
 from megatron_slapo.engines import ENGINES
-from megatron_slapo.engines.base import Engine
+from megatron_slapo.engines.base import Engine, ModelShape
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels.compiled import compiler_problem
 from megatron_slapo.models.layers import shared_layers, transformer_layers
@@ -40,20 +41,24 @@ from megatron_slapo.training.checkpointing import Resume
 from megatron_slapo.training.exit_conditions import ExitConditions
 from megatron_slapo.training.flops import device_peak_tflops, flops_per_image, flops_per_token
 from megatron_slapo.training.model import (
+    Vocabulary,
     auto_class,
     build_config,
     build_vision_config,
     check_attention_backend,
     create_model,
+    megatron_shape,
     pipeline_cuts,
     pipeline_stages,
     trace_for_pipeline,
     vocab_parameter_names,
+    vocabulary,
 )
 from megatron_slapo.training.reporting import Reporter, log_engine_memory
-from megatron_slapo.training.tasks import BERTTask, GPTTask, T5Task, VisionTask
+from megatron_slapo.training.settings import RunSettings, resolve_settings
+from megatron_slapo.training.tasks import BERTTask, GPTTask, LanguageData, T5Task, VisionTask
 from megatron_slapo.training.trainer_args import print_arguments
-from schedules import check_fits, default_for, describe, get_schedule
+from schedules import check_fits, describe, get_schedule
 
 
 class TrainingStopped(RuntimeError):
@@ -65,6 +70,7 @@ class Run:
     """Everything :func:`train` needs, assembled by :func:`setup`."""
 
     args: argparse.Namespace
+    settings: RunSettings
     task: GPTTask | BERTTask | T5Task | VisionTask
     engine: Engine
     layout: Layout
@@ -72,6 +78,7 @@ class Run:
     datasets: tuple
     reporter: Reporter
     metadata: dict
+    recorded: dict[str, Any]  # the checkpoint's record of the arguments (Plan.recorded)
     started: float = 0.0  # time.time() at the start of setup: --exit-duration-in-mins counts from here
 
 
@@ -80,20 +87,21 @@ def print_rank_0(*values: Any) -> None:
         print(*values, flush=True)
 
 
-def _use_embedded_data(args: argparse.Namespace) -> None:
-    corpus = "gpt" if args.task == "gpt" else "bert"  # T5 masks BERT's sentences, tokenized alike
+def _embedded_data(args: argparse.Namespace, task: str) -> embedded.EmbeddedData:
+    """The embedded corpus (built by rank 0 if it is not cached yet), which a run without data flags
+    trains on, and its tokenizer."""
+    corpus = "gpt" if task == "gpt" else "bert"  # T5 masks BERT's sentences, tokenized alike
     cache = args.data_cache_path or os.path.join(os.path.expanduser("~"), ".cache", "megatron_slapo")
     if dist.get_rank() == 0:
         embedded.prepare(corpus, cache)
     dist.barrier()
     data = embedded.prepare(corpus, cache)
-    args.data_path, args.tokenizer_type = [data.prefix], data.tokenizer_type
-    args.vocab_file, args.merge_file = data.vocab_file, data.merge_file
     print_rank_0(f"> no --data-path: training on the embedded corpus (Python's help topics) at {data.prefix}")
     if args.embedded_defaults:
         chosen = " ".join(f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
                           for k, v in args.embedded_defaults.items())  # fmt: skip
         print_rank_0(f"> the embedded run's defaults for flags not given: {chosen}")
+    return data
 
 
 def _split_sizes(args: argparse.Namespace) -> SplitSizes:
@@ -109,6 +117,7 @@ class Plan:
     :func:`setup` materialises."""
 
     args: argparse.Namespace
+    settings: RunSettings
     task: GPTTask | BERTTask | T5Task | VisionTask
     config: Any
     layout: Layout
@@ -119,6 +128,9 @@ class Plan:
     metadata_vocab: Any
     resume_path: str | None  # the checkpoint --load resumes from (not looked for when simulating)
     started: float
+    vocab: Vocabulary | None  # None for an image model
+    shape: ModelShape
+    recorded: dict[str, Any]  # the arguments as the run uses them: the checkpoint's Megatron ``args``
 
 
 def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: int | None = None) -> Plan:
@@ -131,11 +143,8 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     world = world or int(os.environ.get("WORLD_SIZE", 1))
     validate_args(args, world)
     check_attention_backend(args)
-    if args.schedule is None and not (args.load_hf or args.hf_config):
-        args.schedule = default_for(args.model_type, args.tensor_model_parallel_size)  # else the config's type, below
-    if args.schedule is not None:
-        get_schedule(args.schedule)  # an unknown name is refused before the process groups start
-    print_arguments(args)
+    settings, hf_config = resolve_settings(args)  # decided here, once: from now on `args` is only read
+    print_arguments(argparse.Namespace(**settings.arguments(args)))
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if simulate_rank is None:
         parallel.initialize(tp, pp, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
@@ -143,20 +152,19 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
         parallel.simulate(world, simulate_rank, tp, pp, seed=args.seed)
     layout = Layout.current()
     tp_group = parallel.tensor_parallel_group()
-    chosen = args.schedule
-    if args.task == "vision":
-        config, task, tokenizer = _vision_task(args), VisionTask(), None
+    if settings.task == "vision":
+        config, task, data = build_vision_config(args, hf_config), VisionTask(), None
     else:
-        config, task, tokenizer = _language_task(args, tp_group)
-    if chosen is None:
-        print_rank_0(f" > schedule: {args.schedule} (the default for {config.model_type})")
-    schedule = get_schedule(args.schedule)
-    check_fits(args.schedule, config.model_type)
-    datasets = task.build_datasets(args, tokenizer, _split_sizes(args))
+        config, task, data = _language_task(args, settings, hf_config, tp_group)
+    if not settings.schedule_given and settings.hf_source:  # the dump shows the schedule, not that a config chose it
+        print_rank_0(f" > schedule: {settings.schedule} ({settings.schedule_reason})")
+    schedule = get_schedule(settings.schedule)
+    check_fits(settings.schedule, config.model_type)
+    datasets = task.build_datasets(args, data, _split_sizes(args))
     resume_path = checkpointing.checkpoint_file(args.load, layout) if args.load and simulate_rank is None else None
-    model = create_model(args, config)
+    model = create_model(args, settings.task, config)
     if isinstance(task, GPTTask):
-        task.attention = model.config._attn_implementation  # the form of the 4D mask it takes
+        task.attention = attn_implementation(model.config)  # the form of the 4D mask it takes
     metadata_vocab, model_class = vocab_parameter_names(model), type(model).__name__
     sch = ms.create_schedule(model)
     stages = pipeline_stages(args, config.num_hidden_layers)
@@ -164,15 +172,15 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     needs_layers = stages > 1 or recomputing or args.sequence_parallel or args.compile
     layers = _layers(args, model, config.num_hidden_layers, stages) if needs_layers else []
     if stages > 1:
-        trace_for_pipeline(sch, task, args, layers)
+        trace_for_pipeline(sch, task, args, layers, settings.seq_length)
     schedule.apply(sch, config, args)
     shards = any(node.metadata.shards for _, node in sch.named_schedules())
     if layout.tp_size > 1 and not shards:
         raise ConfigError(
-            f"--schedule {args.schedule} shards nothing, but --tensor-model-parallel-size is {layout.tp_size}; "
+            f"--schedule {settings.schedule} shards nothing, but --tensor-model-parallel-size is {layout.tp_size}; "
             "use a tensor-parallel schedule (see --schedule list)"
         )
-    if args.sequence_parallel and args.task != "vision":  # an image model's schedule splits the batch itself
+    if args.sequence_parallel and settings.task != "vision":  # an image model's schedule splits the batch itself
         sequence.split_layers(sch, layers)
     if recomputing:
         depths = config.num_hidden_layers if shared_layers(model) else None  # ALBERT: one layer, several depths
@@ -183,7 +191,7 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
                 sch[path].compile()
     backends = {node.metadata.compiled for _, node in sch.named_schedules()} - {None}
     if backends:
-        why = "--compile" if args.compile else f"--schedule {args.schedule} compiles its layers"
+        why = "--compile" if args.compile else f"--schedule {settings.schedule} compiles its layers"
         problems = [problem for problem in map(compiler_problem, sorted(backends)) if problem]
         if problems:
             raise ConfigError(f"{why}: {problems[0]}")
@@ -199,9 +207,12 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
         ranks = f"{args.data_parallel_size} data-parallel" + (
             f" x {layout.pp_size} pipeline" if layout.pp_size > 1 else ""
         )
-        print_rank_0(f" > note: --schedule {args.schedule} shards over --tensor-model-parallel-size 1, i.e. not at all; "
-                     f"the {world} ranks are {ranks} ranks")  # fmt: skip
-    return Plan(args, task, config, layout, sch, stages, datasets, model_class, metadata_vocab, resume_path, started)
+        print_rank_0(f" > note: --schedule {settings.schedule} shards over --tensor-model-parallel-size 1, i.e. not at "
+                     f"all; the {world} ranks are {ranks} ranks")  # fmt: skip
+    shape = megatron_shape(config, tp)
+    recorded = {**settings.arguments(args), **(data.arguments() if data else {}), **asdict(shape)}
+    return Plan(args, settings, task, config, layout, sch, stages, datasets, model_class, metadata_vocab, resume_path,
+                started, data.vocab if data else None, shape, recorded)  # fmt: skip
 
 
 def setup(args: argparse.Namespace) -> Run:
@@ -220,8 +231,10 @@ def setup(args: argparse.Namespace) -> Run:
     if layout.dp_rank == 0:
         where = f"({layout.tp_rank}, {layout.pp_rank})"
         print(f" > number of parameters on (tensor, pipeline) model parallel rank {where}: {count}", flush=True)
-    metadata = checkpointing.export_metadata(tensors, plan.model_class, args, config, plan.metadata_vocab)
-    engine = ENGINES[args.engine](model, args, layout.dp_group, tp_group)
+    settings = plan.settings
+    metadata = checkpointing.export_metadata(tensors, plan.model_class, settings.task, config, plan.vocab,
+                                             plan.metadata_vocab, args.tensor_model_parallel_size)  # fmt: skip
+    engine = ENGINES[args.engine](model, args, layout.dp_group, tp_group, plan.shape)
     log_engine_memory(engine.memory_report(), (layout.tp_rank, layout.pp_rank, layout.dp_rank))
     if args.bf16 or args.fp16:
         dtype = "bf16" if args.bf16 else "fp16"
@@ -234,54 +247,47 @@ def setup(args: argparse.Namespace) -> Run:
         print_rank_0(
             f" > WARNING: no checkpoint in {args.load} yet ({checkpointing.LATEST} not found): starting from scratch"
         )
+    auto = auto_class(settings.task, getattr(args, "bert_binary_head", False))
     if isinstance(task, VisionTask):  # model FLOPs for the log line's TFLOP/s and MFU
         unit, per_iteration = "samples", args.global_batch_size
-        flops = flops_per_image(auto_class(args), config, args.img_h, args.img_w)
+        flops = flops_per_image(auto, config, args.img_h, args.img_w)
     else:
-        unit, per_iteration = "tokens", args.global_batch_size * args.seq_length
-        flops = flops_per_token(auto_class(args), config, args.seq_length, getattr(args, "decoder_seq_length", None))
+        unit, per_iteration = "tokens", args.global_batch_size * settings.seq_length
+        flops = flops_per_token(auto, config, settings.seq_length, getattr(args, "decoder_seq_length", None))
     reporter = Reporter(args, flops * per_iteration, per_iteration, device_peak_tflops(args.peak_tflops), unit)
-    return Run(args, task, engine, layout, resume, plan.datasets, reporter, metadata, plan.started)
+    return Run(args, settings, task, engine, layout, resume, plan.datasets, reporter, metadata, plan.recorded,
+               plan.started)  # fmt: skip
 
 
-def _vision_task(args: argparse.Namespace) -> Any:
-    """The image model's config; Megatron's model-shape arguments, which megatron-core's
-    TransformerConfig needs: the blocks, the last stage's channels, and "heads" it accepts (the TP
-    size: an image model has none)."""
-    config = build_vision_config(args)
-    args.num_layers, args.hidden_size = config.num_hidden_layers, config.channels[-1]
-    args.num_attention_heads = args.tensor_model_parallel_size
-    return config
-
-
-def _language_task(args: argparse.Namespace, tp_group: Any) -> tuple[Any, GPTTask | BERTTask | T5Task, Any]:
-    """The config, task and tokenizer of pretrain_gpt.py / pretrain_bert.py (the embedded corpus
-    when no data is given); sets the default schedule and Megatron's model-shape arguments."""
-    if args.embedded_data:
-        _use_embedded_data(args)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file, args.tokenizer_model,
-                                args.vocab_size, getattr(args, "vocab_extra_ids", 0))  # fmt: skip
-    config = build_config(args, tokenizer)  # sets the default schedule when the config gave the type
-    if args.seq_length is None:  # T5 has no positions: it requires --seq-length (validate_args)
-        args.seq_length = config.max_position_embeddings
-    if args.sequence_parallel and args.seq_length % args.tensor_model_parallel_size:
-        raise ConfigError(f"--sequence-parallel splits the sequence: --seq-length {args.seq_length} is not "
+def _language_task(args: argparse.Namespace, settings: RunSettings, hf_config: Any,
+                   tp_group: Any) -> tuple[Any, GPTTask | BERTTask | T5Task, LanguageData]:  # fmt: skip
+    """The config, task and data of pretrain_gpt.py / pretrain_bert.py / pretrain_t5.py: the
+    tokenizer and data of the flags, or the embedded corpus when no data is given."""
+    data = _embedded_data(args, settings.task) if args.embedded_data else None
+    flags = (args.tokenizer_type, args.vocab_file, args.merge_file)
+    files = (data.tokenizer_type, data.vocab_file, data.merge_file) if data else flags
+    tokenizer = build_tokenizer(*files, args.tokenizer_model, args.vocab_size, getattr(args, "vocab_extra_ids", 0))
+    vocab = vocabulary(args, tokenizer, hf_config)
+    config = build_config(args, tokenizer, hf_config, shared_kv_heads=settings.schedule == "auto")
+    seq_length = settings.seq_length
+    if args.sequence_parallel and seq_length % args.tensor_model_parallel_size:
+        raise ConfigError(f"--sequence-parallel splits the sequence: --seq-length {seq_length} is not "
                           f"divisible by --tensor-model-parallel-size {args.tensor_model_parallel_size}")  # fmt: skip
-    for name in ("num_layers", "hidden_size", "num_attention_heads"):  # as Megatron's args carry them
-        setattr(args, name, getattr(config, "num_hidden_layers" if name == "num_layers" else name))
     print_rank_0(
-        f"> padded vocab (size: {args.true_vocab_size}) with {args.padded_vocab_size - args.true_vocab_size} "
-        f"dummy tokens (new size: {args.padded_vocab_size})"
+        f"> padded vocab (size: {vocab.true_size}) with {vocab.padded_size - vocab.true_size} "
+        f"dummy tokens (new size: {vocab.padded_size})"
     )
-    if args.task == "gpt":
+    if settings.task == "gpt":
         eod = getattr(tokenizer, "eod", None)
-        task: GPTTask | BERTTask | T5Task = GPTTask(args.padded_vocab_size, tp_group, args.reset_position_ids,
+        task: GPTTask | BERTTask | T5Task = GPTTask(vocab.padded_size, tp_group, args.reset_position_ids,
                                                     args.reset_attention_mask, eod)  # fmt: skip
-    elif args.task == "t5":
-        task = T5Task(args.padded_vocab_size, tp_group)
+    elif settings.task == "t5":
+        task = T5Task(vocab.padded_size, tp_group)
     else:
-        task = BERTTask(args.padded_vocab_size, tp_group, args.bert_binary_head)
-    return config, task, tokenizer
+        task = BERTTask(vocab.padded_size, tp_group, args.bert_binary_head)
+    named = f"model in --load-hf {args.load_hf}" if args.load_hf else f"tokenizer ({files[0]})"
+    corpus = Corpus([data.prefix] if data else args.data_path, seq_length, vocab.true_size, named)
+    return config, task, LanguageData(tokenizer, vocab, corpus, data)
 
 
 def _layers(args: argparse.Namespace, model: Any, num_layers: int, stages: int) -> list[str]:
@@ -400,7 +406,7 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
             state.consumed_valid_samples += args.eval_iters * args.global_batch_size
             run.reporter.validation(state.iteration, state.consumed_train_samples, metrics)
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            checkpointing.save(run.engine, args, layout, state, run.metadata)
+            checkpointing.save(run.engine, args, layout, state, run.metadata, run.recorded)
             saved_at = state.iteration
         reason = exits.check()  # a collective when --exit-duration-in-mins / --exit-signal-handler is given
         if not reason and args.exit_interval and state.iteration % args.exit_interval == 0:
@@ -409,7 +415,7 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
             print_rank_0(reason)
             break
     if args.save and saved_at != state.iteration:
-        checkpointing.save(run.engine, args, layout, state, run.metadata)
+        checkpointing.save(run.engine, args, layout, state, run.metadata, run.recorded)
     return state
 
 

@@ -9,19 +9,21 @@ padding is recorded so that export can drop it again.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import transformers
 from torch import nn
 
+from megatron_slapo.engines.base import ModelShape
 from megatron_slapo.engines.optimizer import half_precision
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels import attention
 from megatron_slapo.models.wideresnet import WideResNetConfig
-from schedules import default_for
 
 # --model-type -> HF config class (the model class follows from the task, see auto_class)
 CONFIGS = {
@@ -165,24 +167,44 @@ def _set_experts(
             setattr(config, field, given or max(1, scaled))
 
 
-def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.PretrainedConfig:
-    """The HF config of the run, with the padded vocabulary, checked against the TP size (and
-    against the schedule, which it sets, without ``--schedule``, to the default for the config's type)."""
+@dataclass(frozen=True)
+class Vocabulary:
+    """The vocabulary's two sizes: the ids export keeps (``true_size``) and the embedding rows the
+    model trains with, padded so that they shard evenly (``padded_size``)."""
+
+    true_size: int
+    padded_size: int
+
+
+def vocabulary(
+    args: argparse.Namespace, tokenizer: Any, hf_config: transformers.PretrainedConfig | None = None
+) -> Vocabulary:
+    """The run's vocabulary: the tokenizer's, padded Megatron's way; with an HF config (``--hf-config``,
+    ``--load-hf``), the model's own rows where they are more (see :func:`hf_vocab_size`)."""
+    tp, multiple = args.tensor_model_parallel_size, args.make_vocab_size_divisible_by
+    if hf_config is None:
+        return Vocabulary(tokenizer.vocab_size, padded_vocab_size(tokenizer.vocab_size, multiple, tp))
+    return Vocabulary(max(hf_config.vocab_size, tokenizer.vocab_size),  # export keeps the model's rows
+                      hf_vocab_size(hf_config.vocab_size, tokenizer.vocab_size, multiple, tp))  # fmt: skip
+
+
+def build_config(
+    args: argparse.Namespace,
+    tokenizer: Any,
+    hf_config: transformers.PretrainedConfig | None = None,
+    shared_kv_heads: bool = False,
+) -> transformers.PretrainedConfig:
+    """The HF config of the run (a copy of ``hf_config``, the one :func:`read_hf_config` read, else
+    one from the size flags) with the padded :func:`vocabulary`, checked against the TP size
+    (``shared_kv_heads``: the schedule is ``auto``, see :func:`check_divisible`)."""
     tp = args.tensor_model_parallel_size
-    args.true_vocab_size = tokenizer.vocab_size
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, tp)
-    if args.load_hf or args.hf_config:
-        config = _read_config(args)
-        args.true_vocab_size = max(config.vocab_size, tokenizer.vocab_size)  # export keeps the model's rows
-        config.vocab_size = hf_vocab_size(
-            config.vocab_size, tokenizer.vocab_size, args.make_vocab_size_divisible_by, tp
-        )
-        args.padded_vocab_size = config.vocab_size
+    padded = vocabulary(args, tokenizer, hf_config).padded_size
+    if hf_config is not None:
+        config = copy.deepcopy(hf_config)
+        config.vocab_size = padded
     else:
-        config = _from_flags(args, args.padded_vocab_size, tokenizer)
-    if args.schedule is None:  # no --schedule: the default for the config's type (--hf-config, --load-hf)
-        args.schedule = default_for(config.model_type, tp)
-    check_divisible(config, tp, shared_kv_heads=args.schedule == "auto")
+        config = _from_flags(args, padded, tokenizer)
+    check_divisible(config, tp, shared_kv_heads=shared_kv_heads)
     if args.seq_length and args.seq_length > getattr(config, "max_position_embeddings", args.seq_length):
         raise ConfigError(
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions"
@@ -190,12 +212,14 @@ def build_config(args: argparse.Namespace, tokenizer: Any) -> transformers.Pretr
     return config
 
 
-def build_vision_config(args: argparse.Namespace) -> transformers.PretrainedConfig:
-    """The image model's config (from the size flags, ``--hf-config`` or ``--load-hf``), checked
-    against the TP size; sets the default schedule. Images under 64 pixels get the 3x3 stem without
+def build_vision_config(
+    args: argparse.Namespace, hf_config: transformers.PretrainedConfig | None = None
+) -> transformers.PretrainedConfig:
+    """The image model's config (``hf_config``, the one :func:`read_hf_config` read, else one from
+    the size flags), checked against the TP size. Images under 64 pixels get the 3x3 stem without
     max-pool (CIFAR's), larger ones torchvision's ImageNet stem."""
-    if args.load_hf or args.hf_config:
-        config = _read_config(args)
+    if hf_config is not None:
+        config = hf_config
         if not isinstance(config, WideResNetConfig):
             raise ConfigError(f"{args.load_hf or args.hf_config} holds a {config.model_type} model: pretrain_vision.py "
                               "trains WideResNet (--model-type wideresnet)")  # fmt: skip
@@ -206,11 +230,17 @@ def build_vision_config(args: argparse.Namespace) -> transformers.PretrainedConf
     if config.num_labels != args.num_classes or config.num_channels != args.num_channels:
         raise ConfigError(f"the model classifies {config.num_labels} classes of {config.num_channels}-channel images, "
                           f"not --num-classes {args.num_classes} of --num-channels {args.num_channels}")  # fmt: skip
-    tp = args.tensor_model_parallel_size
-    check_channels(config, tp)
-    if args.schedule is None:
-        args.schedule = default_for(config.model_type, tp)
+    check_channels(config, args.tensor_model_parallel_size)
     return config
+
+
+def megatron_shape(config: transformers.PretrainedConfig, tensor_parallel: int) -> ModelShape:
+    """The model's :class:`ModelShape`, as Megatron's size flags would give it: an image model's
+    width is its last stage's channels, and its "heads" (it has none) the TP size, which
+    megatron-core requires to divide them."""
+    if isinstance(config, WideResNetConfig):
+        return ModelShape(config.num_hidden_layers, config.channels[-1], tensor_parallel)
+    return ModelShape(config.num_hidden_layers, config.hidden_size, config.num_attention_heads)
 
 
 def check_channels(config: WideResNetConfig, tp: int) -> None:
@@ -223,8 +253,11 @@ def check_channels(config: WideResNetConfig, tp: int) -> None:
                 )
 
 
-def _read_config(args: argparse.Namespace) -> transformers.PretrainedConfig:
-    """The config of ``--load-hf DIR`` or ``--hf-config NAME_OR_DIR``, checked to be a model this task trains."""
+def read_hf_config(args: argparse.Namespace) -> transformers.PretrainedConfig | None:
+    """The config of ``--load-hf DIR`` or ``--hf-config NAME_OR_DIR``, checked to be a model this
+    task trains; None without either (the size flags shape the model)."""
+    if not (args.load_hf or args.hf_config):
+        return None
     flag, source = ("--load-hf", args.load_hf) if args.load_hf else ("--hf-config", args.hf_config)
     if args.load_hf and not os.path.isfile(os.path.join(source, "config.json")):
         what = "has no config.json" if os.path.isdir(source) else "is not a directory"
@@ -239,7 +272,6 @@ def _read_config(args: argparse.Namespace) -> transformers.PretrainedConfig:
         )
         raise ConfigError(f"{flag} {source} is neither {where} ({type(e).__name__})") from e
     check_task_fits(config, args.task, f"{flag} {source}")
-    args.model_type = config.model_type  # what the checkpoint holds, not the --model-type default
     return config
 
 
@@ -286,16 +318,16 @@ def check_divisible(config: transformers.PretrainedConfig, tp: int, shared_kv_he
             raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the {size} {what}{also}")
 
 
-def auto_class(args: argparse.Namespace) -> type:
-    """The HF auto class to build: causal LM; BERT pretraining heads, or masked LM without a binary
-    head; sequence-to-sequence LM (T5); image classifier."""
-    if args.task == "vision":
+def auto_class(task: str, bert_binary_head: bool = False) -> type:
+    """The HF auto class ``task`` builds: causal LM; BERT pretraining heads, or masked LM without a
+    binary head; sequence-to-sequence LM (T5); image classifier."""
+    if task == "vision":
         return transformers.AutoModelForImageClassification
-    if args.task == "t5":
+    if task == "t5":
         return transformers.AutoModelForSeq2SeqLM
-    if args.task == "gpt":
+    if task == "gpt":
         return transformers.AutoModelForCausalLM
-    return transformers.AutoModelForPreTraining if args.bert_binary_head else transformers.AutoModelForMaskedLM
+    return transformers.AutoModelForPreTraining if bert_binary_head else transformers.AutoModelForMaskedLM
 
 
 # Megatron's --attention-backend in transformers' terms: its fused kernels are SDPA restricted to
@@ -316,15 +348,16 @@ def check_attention_backend(args: argparse.Namespace) -> None:
                               "auto (torch picks a kernel) or unfused")  # fmt: skip
 
 
-def create_model(args: argparse.Namespace, config: transformers.PretrainedConfig) -> nn.Module:
-    """On the meta device, or with ``--load-hf`` the pretrained weights (a language model's vocabulary padded)."""
-    auto = auto_class(args)
+def create_model(args: argparse.Namespace, task: str, config: transformers.PretrainedConfig) -> nn.Module:
+    """``task``'s model (:func:`auto_class`) on the meta device, or with ``--load-hf`` the pretrained
+    weights (a language model's vocabulary padded)."""
+    auto = auto_class(task, getattr(args, "bert_binary_head", False))
     backend = ATTENTION_BACKENDS[getattr(args, "attention_backend", "auto")]
     kwargs = {"attn_implementation": backend} if backend else {}
     try:
         if args.load_hf:
             model = auto.from_pretrained(args.load_hf, **kwargs)
-            if args.task != "vision" and model.get_input_embeddings().num_embeddings != config.vocab_size:
+            if task != "vision" and model.get_input_embeddings().num_embeddings != config.vocab_size:
                 model.resize_token_embeddings(config.vocab_size, mean_resizing=False)
             return model
         with torch.device("meta"):
@@ -371,13 +404,13 @@ def pipeline_cuts(config: transformers.PretrainedConfig, layers: list[str], stag
     return [layers[k * len(layers) // stages] for k in range(1, stages)]
 
 
-def trace_for_pipeline(sch: Any, task: Any, args: argparse.Namespace, layers: list[str]) -> None:
+def trace_for_pipeline(sch: Any, task: Any, args: argparse.Namespace, layers: list[str], seq_length: int) -> None:
     """Trace what lies between the root and the layers, for the micro-batch shape, so it can be cut.
 
     Only the layers' ancestors (``transformer``, ``bert.encoder``, T5's two stacks ...) become graphs; everything
     else (layers, embeddings, heads) stays the HF module it was, so the schedule's plans and HF's
     initialisation see them unchanged. The graph is specialised to ``--micro-batch-size`` x
-    ``--seq-length``, which every micro-batch has; the task's non-tensor inputs (``use_cache=False``)
+    ``seq_length`` (the run's), which every micro-batch has; the task's non-tensor inputs (``use_cache=False``)
     become constants. The traced model returns only its logits (what the tasks' losses read): its
     other outputs (an encoder's last state, hidden states) would have to cross the stage cuts.
     """
@@ -388,7 +421,7 @@ def trace_for_pipeline(sch: Any, task: Any, args: argparse.Namespace, layers: li
 
     class ExampleBatch(dict):
         def __missing__(self, key: str) -> torch.Tensor:
-            length = args.decoder_seq_length if key in decoder_keys else args.seq_length
+            length = args.decoder_seq_length if key in decoder_keys else seq_length
             return torch.zeros(args.micro_batch_size, length, dtype=torch.long, device="meta")
 
     example = task.inputs(ExampleBatch())

@@ -15,11 +15,40 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_slapo.data.datasets import SplitSizes, build_bert_datasets, build_gpt_datasets, build_t5_datasets
+from megatron_slapo.data.datasets import (
+    Corpus,
+    SplitSizes,
+    build_bert_datasets,
+    build_gpt_datasets,
+    build_t5_datasets,
+)
+from megatron_slapo.data.embedded import EmbeddedData
 from megatron_slapo.data.images import SPLITS, PatternImages
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels.vocab import vocab_parallel_cross_entropy
 from megatron_slapo.parallel.collectives import Group
+from megatron_slapo.training.model import Vocabulary
+
+
+@dataclass(frozen=True)
+class LanguageData:
+    """What a language task reads its tokens with and from: the tokenizer, the vocabulary's sizes,
+    the corpus its datasets are built from, and the embedded corpus when no data flag was given
+    (whose files then stand in for the data and tokenizer flags)."""
+
+    tokenizer: Any
+    vocab: Vocabulary
+    corpus: Corpus
+    embedded: EmbeddedData | None
+
+    def arguments(self) -> dict[str, Any]:
+        """The Megatron arguments this data decided: the embedded corpus's data and tokenizer files,
+        the vocabulary's true and padded sizes (for the checkpoint's record of the run's arguments)."""
+        decided: dict[str, Any] = {}
+        if self.embedded:
+            decided.update(data_path=[self.embedded.prefix], tokenizer_type=self.embedded.tokenizer_type,
+                           vocab_file=self.embedded.vocab_file, merge_file=self.embedded.merge_file)  # fmt: skip
+        return {**decided, "true_vocab_size": self.vocab.true_size, "padded_vocab_size": self.vocab.padded_size}
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, tp_group: Group) -> torch.Tensor:
@@ -93,8 +122,8 @@ class GPTTask(_ModelLoss):
                               "token")  # fmt: skip
 
     @staticmethod
-    def build_datasets(args: argparse.Namespace, tokenizer: Any, sizes: SplitSizes) -> tuple:
-        return build_gpt_datasets(args, tokenizer, sizes)
+    def build_datasets(args: argparse.Namespace, data: LanguageData, sizes: SplitSizes) -> tuple:
+        return build_gpt_datasets(args, data.tokenizer, data.corpus, sizes)
 
     def inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The model's keyword arguments for ``batch``."""
@@ -121,8 +150,8 @@ class BERTTask(_ModelLoss):
     binary_head: bool = True
 
     @staticmethod
-    def build_datasets(args: argparse.Namespace, tokenizer: Any, sizes: SplitSizes) -> tuple:
-        return build_bert_datasets(args, tokenizer, sizes)
+    def build_datasets(args: argparse.Namespace, data: LanguageData, sizes: SplitSizes) -> tuple:
+        return build_bert_datasets(args, data.tokenizer, data.corpus, sizes)
 
     @staticmethod
     def inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -150,8 +179,8 @@ class T5Task(_ModelLoss):
     DECODER_KEYS = ("text_dec", "dec_mask")  # --decoder-seq-length long; the others --seq-length
 
     @staticmethod
-    def build_datasets(args: argparse.Namespace, tokenizer: Any, sizes: SplitSizes) -> tuple:
-        return build_t5_datasets(args, tokenizer, sizes)
+    def build_datasets(args: argparse.Namespace, data: LanguageData, sizes: SplitSizes) -> tuple:
+        return build_t5_datasets(args, data.tokenizer, data.corpus, sizes)
 
     @staticmethod
     def inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -170,8 +199,9 @@ class VisionTask(_ModelLoss):
     accuracy, named ``loss`` and ``accuracy`` as Megatron's vision classification logs them."""
 
     @staticmethod
-    def build_datasets(args: argparse.Namespace, tokenizer: Any, sizes: SplitSizes) -> tuple:
-        """The generated image set (``data/images.py``), each split sized as the run needs it."""
+    def build_datasets(args: argparse.Namespace, data: None, sizes: SplitSizes) -> tuple:
+        """The generated image set (``data/images.py``), each split sized as the run needs it (no
+        language data to read)."""
         shape = (args.img_h, args.img_w, args.num_channels, args.num_classes)
         return tuple(PatternImages(n, split, args.seed, *shape) if n else None
                      for n, split in zip(sizes.as_list(), SPLITS, strict=True))  # fmt: skip

@@ -72,7 +72,7 @@ def _steps(task: str, argv: list[str], warmup: int, steps: int) -> dict:
                 times.append(took.item())
             loss = {k: float(v) for k, v in result.metrics.items()}
     seconds = statistics.median(times)
-    unit = args.global_batch_size * (1 if task == "vision" else args.seq_length)
+    unit = args.global_batch_size * (1 if task == "vision" else run.settings.seq_length)
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated()
     else:

@@ -135,7 +135,7 @@ def test_layer_outputs_are_all_reduced_in_place_and_stay_exact(group, monkeypatc
     import torch.nn.functional as F
 
     import megatron_slapo as ms
-    from megatron_slapo.primitives import shard
+    from megatron_slapo.primitives import sync
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False))
@@ -153,7 +153,7 @@ def test_layer_outputs_are_all_reduced_in_place_and_stay_exact(group, monkeypatc
     def recording(fn):
         return lambda *args, **kwargs: computed.append(fn(*args, **kwargs)) or computed[-1]
 
-    monkeypatch.setattr(shard, "vocab_parallel_embedding", recording(shard.vocab_parallel_embedding))
+    monkeypatch.setattr(sync, "vocab_parallel_embedding", recording(sync.vocab_parallel_embedding))
     monkeypatch.setattr(F, "linear", recording(F.linear))
     outputs = []
     for i in (0, 2):

@@ -1,0 +1,55 @@
+"""torch.distributed internals: c10d's registry of live process groups, the fake backend, and
+its collective functions replaced by wrappers.
+
+Written against torch 2.13.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+
+def is_live_group(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still registered with c10d (``distributed_c10d._world.pg_map``), so
+    ``destroy_process_group(group)`` can shut it down; after ``destroy_process_group()`` (all of
+    them) it is not, and destroying it again raises. torch has no public query. torch 2.13."""
+    return group in dist.distributed_c10d._world.pg_map
+
+
+def fake_store() -> dist.Store:
+    """A store for ``init_process_group("fake", ...)``: torch's fake process group, whose every
+    collective returns at once, moving nothing. It lives in ``torch.testing._internal`` (importing
+    it registers the ``"fake"`` backend); torch ships no public one. torch 2.13."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def wrap_collectives(ops: Iterable[str], wrap: Callable[[str, Callable], Callable]) -> dict[str, Callable]:
+    """Replace each of torch.distributed's Python collectives named in ``ops`` (those this torch
+    has) by ``wrap(op, original)``, process-wide; return the originals replaced, for
+    :func:`unwrap_collectives`. Patched in ``distributed_c10d``, where ``P2POp`` and torch's own
+    callers look them up, and in ``torch.distributed`` where that re-exports the same function:
+    torch has no hook that sees every collective's arguments. torch 2.13."""
+    originals = {}
+    for op in ops:
+        fn = getattr(c10d, op, None)
+        if fn is None:
+            continue
+        originals[op] = fn
+        wrapper = wrap(op, fn)
+        setattr(c10d, op, wrapper)
+        if getattr(dist, op, None) is fn:
+            setattr(dist, op, wrapper)
+    return originals
+
+
+def unwrap_collectives(originals: dict[str, Callable]) -> None:
+    """Put back the collectives :func:`wrap_collectives` replaced. torch 2.13."""
+    for op, fn in originals.items():
+        if getattr(dist, op, None) is getattr(c10d, op):
+            setattr(dist, op, fn)
+        setattr(c10d, op, fn)
