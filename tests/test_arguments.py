@@ -257,6 +257,8 @@ def test_moe_flags_shape_the_experts_of_an_moe_family():
     config = _config("--model-type", "qwen2_moe", "--num-experts", "2", "--moe-ffn-hidden-size", "48")
     assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (2, 2, 48)  # top-k <= 2
     assert config.shared_expert_intermediate_size == 256  # as wide as its FFN, as in qwen2_moe
+    config = _config("--model-type", "qwen2_moe", "--num-experts", "2", "--moe-shared-expert-intermediate-size", "40")
+    assert config.shared_expert_intermediate_size == 40 and config.moe_intermediate_size == 256 // 4  # the flag's
     config = _config("--model-type", "mixtral", "--num-experts", "6", "--ffn-hidden-size", "96")
     assert (config.num_local_experts, config.intermediate_size) == (6, 96)  # its experts are the FFN
 

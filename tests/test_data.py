@@ -39,7 +39,10 @@ def bpe(corpus):
     return str(root / "bpe" / "vocab.json"), str(root / "bpe" / "merges.txt")
 
 
-def test_gpt2_bpe_preprocess_roundtrip(corpus, bpe):
+@pytest.fixture(scope="module")
+def gpt(corpus, bpe):
+    """The corpus preprocessed for GPT-2, its text and title keys (``{prefix}_text_document``); a
+    fixture, so that every test reading it runs alone or in any order."""
     root, path = corpus
     vocab, merges = bpe
     prefix = str(root / "gpt")
@@ -48,6 +51,12 @@ def test_gpt2_bpe_preprocess_roundtrip(corpus, bpe):
         "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--workers", "2",
         "--no-progress",
     ])  # fmt: skip
+    return prefix
+
+
+def test_gpt2_bpe_preprocess_roundtrip(gpt, bpe):
+    vocab, merges = bpe
+    prefix = gpt
     tok = build_tokenizer("GPT2BPETokenizer", vocab, merges)
     data = IndexedDataset(f"{prefix}_text_document")
     assert len(data) == len(DOCS) and data.document_indices.shape[0] == len(DOCS) + 1
@@ -79,6 +88,22 @@ def test_wordpiece_sentence_split_for_bert(corpus):
     assert tok.detokenize(data[0].tolist()) == "the quick brown fox jumps over the lazy dog."
 
 
+def test_cased_wordpiece_keeps_capitals(corpus):
+    """BertWordPieceCase on a vocabulary trained ``--cased``: "The" and "the" are different tokens,
+    and the preprocessed sentences come back with their capitals (lower-cased, they would not)."""
+    root, path = corpus
+    train_tokenizer.main(["--input", path, "--type", "wordpiece", "--vocab-size", "300", "--cased", "--output-dir",
+                          str(root / "wp-cased")])  # fmt: skip
+    vocab = str(root / "wp-cased" / "vocab.txt")
+    tok = build_tokenizer("BertWordPieceCase", vocab)
+    assert tok.tokenize("The") != tok.tokenize("the") and tok.detokenize(tok.tokenize("The fox")) == "The fox"
+    prefix = str(root / "bert-cased")
+    preprocess_data.main(["--input", path, "--output-prefix", prefix, "--tokenizer-type", "BertWordPieceCase",
+                          "--vocab-file", vocab, "--split-sentences", "--no-progress"])  # fmt: skip
+    data = IndexedDataset(f"{prefix}_text_sentence")
+    assert tok.detokenize(data[0].tolist()) == "The quick brown fox jumps over the lazy dog."
+
+
 def test_split_sentences():
     assert split_sentences('He said "stop." Then he left! Dr. Smith? yes. 3 cats.\nNew line') == [
         'He said "stop."', "Then he left!", "Dr.", "Smith? yes.", "3 cats.", "New line",
@@ -105,11 +130,10 @@ def _copy_dataset(src: str, dst: str, idx: bytes | None = None) -> str:
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # no "Exception ignored in __del__"
-def test_missing_and_corrupt_data_are_clear_errors(corpus, bpe, tmp_path):
+def test_missing_and_corrupt_data_are_clear_errors(gpt, tmp_path):
     with pytest.raises(DataError, match=r"data prefix '.*/nothing': .*nothing.idx does not exist"):
         check_prefix(str(tmp_path / "nothing"))
-    root, _ = corpus
-    good = f"{root}/gpt_text_document"
+    good = f"{gpt}_text_document"
     index = open(good + ".idx", "rb").read()
     prefix = str(tmp_path / "bad")
     header = 9 + 8 + 1 + 8 + 8
@@ -132,11 +156,10 @@ def test_missing_and_corrupt_data_are_clear_errors(corpus, bpe, tmp_path):
         check_prefix(prefix)
 
 
-def test_token_ids_beyond_the_vocabulary_are_refused(corpus, bpe, monkeypatch):
+def test_token_ids_beyond_the_vocabulary_are_refused(gpt, monkeypatch):
     """Data made with a larger tokenizer trains silently under TP (the ids are another rank's rows)
     and crashes at TP1: refused up front, by a full scan of a small .bin or a sample of a large one."""
-    root, _ = corpus
-    prefix = f"{root}/gpt_text_document"
+    prefix = f"{gpt}_text_document"
     tokens = numpy.memmap(prefix + ".bin", mode="r", dtype=read_index(prefix).dtype)
     largest = int(tokens.max())
     assert check_prefix(prefix, largest + 1, "tokenizer (GPT2BPETokenizer)") == len(DOCS)
@@ -158,9 +181,8 @@ def test_preprocess_creates_the_output_directory(corpus, bpe, tmp_path):
     assert check_prefix(f"{prefix}_text_document") == len(DOCS)
 
 
-def test_split_checks(corpus):
-    root, _ = corpus
-    prefix = f"{root}/gpt_text_document"  # 60 documents
+def test_split_checks(gpt):
+    prefix = f"{gpt}_text_document"  # 60 documents
     assert check_splits([prefix], "98,2,0", SplitSizes(10, 5, 0)) == "0.98,0.02,0"
     assert check_splits([prefix], "969,30,1", SplitSizes(10, 5, 0)) == "0.969,0.03,0"  # unused empty test split
     with pytest.raises(DataError, match="leaves the valid split .* empty, but 5 valid samples are needed"):

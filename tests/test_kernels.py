@@ -126,6 +126,28 @@ def test_compile_refusals():
     assert "no-such-backend" in compiler_problem("no-such-backend")
 
 
+def test_the_compiler_probe_reports_only_a_machine_that_cannot_build():
+    """compiler_problem answers "cannot build kernels here" for what torch raises without a working
+    C++ compiler (InvalidCxxCompiler, or a CppCompileError from the toolchain), wrapped as dynamo
+    wraps a backend's errors; require_compiler turns that answer into a skip. Any other error of the
+    compile is raised: a compiler that broke fails the compile tests and the run, not skips them."""
+    from torch._inductor.exc import CppCompileError, InvalidCxxCompiler
+
+    def no_compiler(gm, example_inputs):
+        raise InvalidCxxCompiler()
+
+    def failing_toolchain(gm, example_inputs):
+        raise CppCompileError(["cc", "kernel.cpp"], "fatal error: Python.h: No such file or directory")
+
+    def broken(gm, example_inputs):
+        raise ValueError("a bug in the backend")
+
+    with pytest.raises(Exception, match="a bug in the backend"):
+        compiler_problem(broken)
+    assert ": InvalidCxxCompiler No working C++ compiler" in compiler_problem(no_compiler)
+    assert ": CppCompileError C++ compile error" in compiler_problem(failing_toolchain)
+
+
 def test_the_compiler_probe_answers_alike_under_no_grad():
     """Its first caller may be a loss's forward (no_grad): the probe's backward must still run."""
     compiler_problem.cache_clear()

@@ -40,6 +40,9 @@ def test_extra_ids_append_bos_eos_and_sentinels(data):
     [
         (["--decoder-seq-length", "8"], "--decoder-seq-length 8 cannot hold the masked spans of --seq-length 32 at "
          "--mask-prob 0.15: it needs 11"),
+        # Megatron's other name for the encoder's length (after SIZES' --seq-length 32, it is the one that counts)
+        (["--encoder-seq-length", "64", "--decoder-seq-length", "16"], "--decoder-seq-length 16 cannot hold the masked "
+         "spans of --seq-length 64 at --mask-prob 0.15: it needs 21"),
         (["--decoder-seq-length", "16", "--vocab-extra-ids", "0"], "--vocab-extra-ids must be >= 1: T5 marks each "
          "masked span with a sentinel"),
         (["--decoder-seq-length", "16", "--schedule", "bert_tp"], "--schedule bert_tp is for bert, roberta and albert "

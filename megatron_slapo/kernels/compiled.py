@@ -34,16 +34,46 @@ class CompiledSubgraph(SubgraphModule):
         return state
 
 
+# What torch raises where it cannot build kernels on this machine, by class name (torch._inductor.exc
+# and torch._dynamo.exc are private modules): no working C++ compiler (a missing or broken ``cc``),
+# a C++/CUDA compile that fails (missing headers, a toolchain inductor cannot drive), Triton missing
+# or the GPU too old for it, and a backend name this torch does not know.
+CANNOT_BUILD = frozenset({"InvalidCxxCompiler", "CppCompileError", "TritonMissing", "GPUTooOldForTriton",
+                          "InvalidBackend"})  # fmt: skip
+
+
+def _cannot_build(error: BaseException) -> BaseException | None:
+    """The exception in ``error``'s chain that says kernels cannot be built here, or ``None``.
+
+    Dynamo wraps what a backend raises (``BackendCompilerFailed``, inductor's ``InductorError``) and
+    keeps it as ``inner_exception``; inductor raises its own errors ``from`` the subprocess's."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if any(c.__name__ in CANNOT_BUILD and c.__module__.startswith("torch.") for c in type(error).__mro__):
+            return error
+        error = getattr(error, "inner_exception", None) or error.__cause__
+    return None
+
+
 @functools.cache
 def compiler_problem(backend: str = "inductor") -> str | None:
     """Why ``torch.compile(backend=...)`` cannot build a forward and backward here, or ``None``
-    (inductor needs a C++ compiler on a CPU, Triton on a GPU)."""
+    (inductor needs a C++ compiler on a CPU, Triton on a GPU).
+
+    Only that answer is an answer: any other error of the probe's compile (a bug in torch, in the
+    backend or in how it is called) is raised as it is, so that a broken compiler fails the run, or
+    the test, rather than passing for a machine without one."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.ones(4, device=device, requires_grad=True)
     try:
         with torch.enable_grad():  # the first caller may be inside no_grad (a loss's forward)
             torch.compile(lambda t: (t * 2).sin(), backend=backend, fullgraph=True)(x).sum().backward()
-    except Exception as e:  # noqa: BLE001 (whatever the backend raises, the answer is "it cannot")
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return f"torch.compile(backend={backend!r}) cannot build kernels on {device}: {type(e).__name__} {first}"
+    except Exception as e:
+        cause = _cannot_build(e)
+        if cause is None:
+            raise
+        text = str(cause).strip()
+        first = text.splitlines()[0] if text else ""
+        return f"torch.compile(backend={backend!r}) cannot build kernels on {device}: {type(cause).__name__} {first}"
     return None

@@ -5,6 +5,9 @@ is tested against.
   most weight bytes held whole at once (``gathered``: read whenever autograd saves or uses a
   tensor; a ZeRO-3 weight is empty while released, an FSDP2 layer's weights are DTensor shards
   while resharded);
+- held: the bytes of the real tensors of the step, whatever any formula says (:class:`HeldBytes`):
+  the engine's weights as stored on this rank, the gradients alive when the optimizer steps, and
+  the optimizer's state after the step;
 - activations: the bytes autograd saves for backward during one step, each storage once,
   parameters excluded, per micro-batch (every tensor saved is kept alive until the step ends, so
   that no freed storage is reused and counted twice);
@@ -40,6 +43,72 @@ def _address(p: torch.Tensor) -> int | None:
         return None
 
 
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """What this rank stores of ``t``: a DTensor's local shard, a ZeRO-3 parameter's partition."""
+    if t is None:
+        return None
+    if isinstance(t, DTensor):
+        return t.to_local()
+    return getattr(t, "ds_tensor", t)
+
+
+def _spans(tensors) -> list[tuple[int, int]]:
+    """The byte ranges ``tensors`` occupy, merged: views of one buffer, and one tensor seen twice
+    (a parameter and its optimizer's view of it), count once."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors
+                   if t is not None and t.numel() and t.device.type != "meta")  # fmt: skip
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _bytes(tensors) -> int:
+    return sum(b - a for a, b in _spans(tensors))
+
+
+def _torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers that hold the state, inside megatron-core's and DeepSpeed's wrappers."""
+    if hasattr(optimizer, "chained_optimizers"):  # megatron-core's ChainedOptimizer
+        return [o for chained in optimizer.chained_optimizers for o in _torch_optimizers(chained)]
+    inner = getattr(optimizer, "optimizer", None)  # megatron-core's and DeepSpeed's wrappers
+    return _torch_optimizers(inner) if inner is not None and inner is not optimizer else [optimizer]
+
+
+class HeldBytes:
+    """Counts the real tensors of a step (see the module docstring): made before the step (it hooks
+    the optimizer's step), :meth:`take` after it."""
+
+    def __init__(self, engine) -> None:
+        self.weights = _parameters(engine)
+        self.optimizers = _torch_optimizers(engine.optimizer)
+        self.grads: list[torch.Tensor] = []
+        self.handles = [o.register_step_pre_hook(lambda *_: self._gradients()) for o in self.optimizers]
+
+    def _gradients(self) -> None:
+        """At the optimizer's step: every gradient alive (the weights' own, megatron-core's
+        ``main_grad`` buffers, the gradients of the optimizer's master weights: ZeRO's partitions)."""
+        params = [*self.weights, *(p for o in self.optimizers for g in o.param_groups for p in g["params"])]
+        self.grads += [_local(t) for p in params for t in (p.grad, getattr(p, "main_grad", None))]
+
+    def take(self) -> dict[str, int]:
+        for handle in self.handles:
+            handle.remove()
+        weights = [_local(p) for p in self.weights]
+        inside = _spans(weights)
+
+        def master(p: torch.Tensor) -> bool:  # the optimizer's own copy, not a view of the weights
+            start = p.data_ptr()
+            return not any(a <= start < b for a, b in inside)
+
+        state = [_local(t) for o in self.optimizers for s in o.state.values() for t in s.values() if torch.is_tensor(t)]
+        masters = [_local(p) for o in self.optimizers for g in o.param_groups for p in g["params"] if master(_local(p))]
+        return {"params": _bytes(weights), "grads": _bytes(self.grads), "optimizer": _bytes([*state, *masters])}
+
+
 def measure(task: str, argv: list[str]) -> dict:
     """One training step of ``pretrain_<task>.py <argv>`` on every rank; this rank's measurements."""
     run = setup(parse_args(task, argv))
@@ -66,6 +135,7 @@ def measure(task: str, argv: list[str]) -> dict:
     with step_batches(run) as next_step:
         run.engine.train_step(next_step(), run.task)  # a first step: ZeRO-3 records its gathering order in it
         micro = next_step()
+        held = HeldBytes(run.engine)
         log = CommLog().install()
         try:
             with (
@@ -78,5 +148,5 @@ def measure(task: str, argv: list[str]) -> dict:
             log.uninstall()
     layout = run.layout
     memory = {**run.engine.memory_report(), "gathered": gathered[0]}
-    return {"coordinates": (layout.tp_rank, layout.pp_rank, layout.dp_rank), "memory": memory,
+    return {"coordinates": (layout.tp_rank, layout.pp_rank, layout.dp_rank), "memory": memory, "held": held.take(),
             "activations": sum(saved.values()) / len(micro), "comm": comm, "flops": flops.get_total_flops()}  # fmt: skip

@@ -36,41 +36,122 @@ def test_each_collective_counts_once_and_point_to_point_still_works(rank):
     assert log.take() == {}
 
 
-SCHEDULES = {  # schedule -> (task, flags)
+# An MoE family under --schedule auto: qwen3_moe, 4 experts of which each token picks 2, every layer
+# sparse; its attention has per-head q/k norms (HF's plan: replicated_with_grad_allreduce)
+MOE = ["--model-type", "qwen3_moe", "--num-query-groups", "2", "--num-experts", "4", "--moe-router-topk", "2",
+       "--moe-ffn-hidden-size", "32"]  # fmt: skip
+SCHEDULES = {  # schedule (and a variant after "-") -> (task, flags)
     "gpt_tp": ("gpt", []),
     "gpt_neo_tp": ("gpt", ["--model-type", "gpt_neo"]),
     "opt_tp": ("gpt", ["--model-type", "opt"]),
     "llama_tp": ("gpt", ["--model-type", "llama", "--num-query-groups", "2"]),
     "auto": ("gpt", ["--model-type", "llama", "--num-query-groups", "2"]),  # what llama_tp moves, from HF's plan
+    "auto-qwen3_moe": ("gpt", MOE),
     "bert_tp": ("bert", []),
 }
+TOPK, EXPERTS, HEAD_DIM = 2, 4, 64 // 4  # MOE's; TINY's hidden size over its heads
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_tp2_bytes_per_step_equal_megatrons_count(schedule, shared_tmp, cache):
+@pytest.mark.parametrize("case", SCHEDULES)
+def test_tp2_bytes_per_step_equal_megatrons_count(case, shared_tmp, cache):
     """Megatron's count, per micro-batch: tensor parallelism all-reduces b·s·h activations twice per
     layer forward (attention and MLP outputs) and twice backward (the gradients of the attention
     and MLP inputs: once per block, however many column-parallel projections read the input), once
     for the vocabulary-parallel embedding's output and once for the LM head input's gradient; the
     vocabulary-parallel cross-entropy all-reduces three b·s tensors (the maxima; the target logits
-    with the sums of exponentials, in one call). The optimizer step adds one all-reduce of a scalar (the gradient norm)."""
-    task, flags = SCHEDULES[schedule]
+    with the sums of exponentials, in one call). The optimizer step adds one all-reduce of a scalar (the gradient norm).
+
+    An MoE block (qwen3_moe) moves what an MLP does (its experts' output all-reduced forward, the
+    gradient of their token rows backward: the router is replicated, so its own part of the input
+    gradient is whole and the reduction sits on the experts' inputs), plus, backward, the gradient
+    of the routing weights the experts were called with (b·s·k: each rank's experts see their part
+    of the features only, so the gradient of the weight that scales their output is a partial sum).
+    Qwen3's per-head q/k norms see only this rank's heads: their weights' gradients (head_dim each)
+    are partial sums, all-reduced once a step."""
+    task, flags = SCHEDULES[case]
+    schedule = case.partition("-")[0]
     b, s, h, layers, micro = 4, 32, 64, 2, 2  # TINY: global batch 8 = 2 micro-batches of 4 on one DP rank
-    tb = os.path.join(shared_tmp, f"tb-comm-{schedule}")
+    tb = os.path.join(shared_tmp, f"tb-comm-{case}")
     train_losses(task, [*TINY, *flags, "--schedule", schedule, "--tensor-model-parallel-size", "2",
                         "--train-iters", "3", "--eval-iters", "0", "--log-comm", "--data-cache-path", cache], tb)  # fmt: skip
     tags = last_rank_value(lambda: sorted(t for t in tb_tags(tb) if "comm" in t))
     measured = last_rank_value(lambda: tb_scalars(tb, "comm-bytes/all_reduce[tp]"))
     norm = last_rank_value(lambda: tb_scalars(tb, "comm-bytes/all_reduce[mp]"))
     fp32 = 4
-    expected = micro * ((4 * layers + 2) * b * s * h + 3 * b * s) * fp32
+    per_micro = (4 * layers + 2) * b * s * h + 3 * b * s
+    per_step = 0
+    if case == "auto-qwen3_moe":
+        per_micro += layers * b * s * TOPK  # the routing weights' gradient, per MoE block
+        per_step += layers * 2 * HEAD_DIM  # q_norm and k_norm gradients
+    expected = (micro * per_micro + per_step) * fp32
     assert tags == ["comm-bytes/all_reduce[mp]", "comm-bytes/all_reduce[tp]"]  # nothing else under pure TP
     assert measured == {1: expected, 2: expected, 3: expected}, (measured, expected)
     assert norm == {1: fp32, 2: fp32, 3: fp32}, norm
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_tp2_sequence_parallel_bytes_per_step_equal_megatrons_count(schedule, shared_tmp, cache):
+def test_tp2_t5_bytes_per_step_equal_megatrons_count(shared_tmp, cache):
+    """t5_tp at TP2, per micro-batch of encoder length s and decoder length t (h = d_model, L layers
+    in each stack), in fp32:
+
+    - each stack looks the vocabulary-parallel shared embedding up once: an all-reduce of b·s·h
+      (encoder) and of b·t·h (decoder) forward;
+    - an encoder layer is two Megatron blocks (self-attention, FFN): 4 all-reduces of b·s·h;
+    - a decoder layer is three blocks on b·t·h (self-attention, cross-attention, FFN: 6
+      all-reduces), and its cross-attention's fused k|v reads the encoder's output: one more
+      all-reduce, of that input's gradient (b·s·h), per decoder layer;
+    - the (tied) vocabulary-parallel LM head all-reduces its input's gradient (b·t·h) and the
+      vocabulary-parallel cross-entropy three b·t tensors;
+    - the relative position bias keeps this rank's heads' columns and moves nothing.
+
+    Once a step: the gradient norm (a scalar, over the model-parallel group)."""
+    b, s, t, h, layers, micro, fp32 = 4, 32, 16, 64, 2, 2, 4  # TINY's shape, --decoder-seq-length 16
+    tb = os.path.join(shared_tmp, "tb-comm-t5_tp")
+    train_losses("t5", [*TINY, "--decoder-seq-length", "16", "--schedule", "t5_tp", "--tensor-model-parallel-size",
+                        "2", "--train-iters", "2", "--eval-iters", "0", "--log-comm", "--data-cache-path", cache], tb)  # fmt: skip
+    tags = last_rank_value(lambda: sorted(t for t in tb_tags(tb) if "comm" in t))
+    measured = last_rank_value(lambda: tb_scalars(tb, "comm-bytes/all_reduce[tp]"))
+    encoder = (1 + 4 * layers + layers) * b * s * h  # embedding, layers, the decoder's reads of its output
+    decoder = (1 + 6 * layers + 1) * b * t * h + 3 * b * t  # embedding, layers, head; the loss
+    expected = micro * (encoder + decoder) * fp32
+    assert tags == ["comm-bytes/all_reduce[mp]", "comm-bytes/all_reduce[tp]"]  # nothing else under pure TP
+    assert measured == {1: expected, 2: expected}, (measured, expected)
+
+
+def test_tp2_wideresnet_bytes_per_step_equal_the_channel_split_count(shared_tmp):
+    """wideresnet_tp at TP2, per micro-batch of b images, in fp32. Each bottleneck block (input
+    c_in x H x W, width w, output c_out x H' x W', H' = H / stride) is, in Megatron's terms, a
+    column-parallel 1x1 (and projection shortcut) reading the block's whole input, a row-parallel 3x3,
+    then a column-parallel 1x1 expand reading a replicated input again; its output channels are
+    gathered for the next block:
+
+    - all-reduce: the 3x3's output forward (b·w·H'·W'), the expand's input gradient backward
+      (b·w·H'·W'), and the block input's gradient backward (b·c_in·H·W, once for conv1 and the
+      shortcut);
+    - all-gather: the block's output channels (b·c_out·H'·W' gathered; backward each rank keeps its
+      own channels' gradient, no collective).
+
+    The stem and the classifier are replicated and move nothing; the gradient norm is one scalar.
+    Here: stem 8 channels at 8x8 (small images: no stride, no pool); layer1.0 (w 4, c_out 32,
+    stride 1) and layer2.0 (w 8, c_out 64, stride 2, so 4x4)."""
+    b, micro, fp32 = 4, 2, 4
+    tb = os.path.join(shared_tmp, "tb-comm-wideresnet_tp")
+    train_losses("vision", ["--schedule", "wideresnet_tp", "--tensor-model-parallel-size", "2", "--resnet-layers", "1",
+                            "1", "--base-channels", "8", "--width-per-group", "32", "--img-h", "8", "--img-w", "8",
+                            "--num-classes", "4", "--micro-batch-size", "4", "--global-batch-size", "8",
+                            "--train-iters", "2", "--eval-iters", "0", "--log-comm"], tb, tag="loss")  # fmt: skip
+    tags = last_rank_value(lambda: sorted(t for t in tb_tags(tb) if "comm" in t))
+    measured = {op: last_rank_value(lambda op=op: tb_scalars(tb, f"comm-bytes/{op}[tp]"))
+                for op in ("all_reduce", "all_gather_single")}  # fmt: skip
+    blocks = [(8, 8 * 8, 4, 32, 8 * 8), (32, 8 * 8, 8, 64, 4 * 4)]  # (c_in, H·W, w, c_out, H'·W')
+    reduced = sum(c_in * hw + 2 * w * hw_out for c_in, hw, w, _, hw_out in blocks)
+    gathered = sum(c_out * hw_out for _, _, _, c_out, hw_out in blocks)
+    expected = {"all_reduce": micro * b * reduced * fp32, "all_gather_single": micro * b * gathered * fp32}
+    assert tags == ["comm-bytes/all_gather_single[tp]", "comm-bytes/all_reduce[mp]", "comm-bytes/all_reduce[tp]"]
+    assert measured == {op: {1: v, 2: v} for op, v in expected.items()}, (measured, expected)
+
+
+@pytest.mark.parametrize("case", SCHEDULES)
+def test_tp2_sequence_parallel_bytes_per_step_equal_megatrons_count(case, shared_tmp, cache):
     """Megatron's count with --sequence-parallel, per micro-batch of b·s·h activations:
 
     - each layer enters its two regions by all-gathering the sequence and leaves them by
@@ -85,10 +166,18 @@ def test_tp2_sequence_parallel_bytes_per_step_equal_megatrons_count(schedule, sh
       rank's part); the loss all-reduces three b·s tensors;
     - once a step, the gradients of the weights that saw part of the sequence (norms, row-parallel
       biases, BERT's MLM transform) are all-reduced over the tensor-parallel ranks, as Megatron's
-      ``finalize_model_grads`` does."""
-    task, flags = SCHEDULES[schedule]
+      ``finalize_model_grads`` does.
+
+    qwen3_moe's MoE block runs its router on this rank's tokens and hands the experts all tokens:
+    its token rows are gathered and its output reduce-scattered as an MLP's are, and its routing
+    weights (b·s·k, fp32) are all-gathered forward and reduce-scattered backward and its choices
+    (b·s·k, int64, no gradient) all-gathered; once a step the router's weights (experts x h, having
+    seen part of the sequence) and the q/k norms' (per-head, partial) gradients are all-reduced
+    with the other split weights'."""
+    task, flags = SCHEDULES[case]
+    schedule = case.partition("-")[0]
     b, s, h, layers, micro, fp32 = 4, 32, 64, 2, 2, 4
-    tb = os.path.join(shared_tmp, f"tb-comm-sp-{schedule}")
+    tb = os.path.join(shared_tmp, f"tb-comm-sp-{case}")
     train_losses(task, [*TINY, *flags, "--schedule", schedule, "--tensor-model-parallel-size", "2", "--sequence-parallel",
                         "--train-iters", "2", "--eval-iters", "0", "--log-comm", "--data-cache-path", cache], tb)  # fmt: skip
     measured = {op: last_rank_value(lambda op=op: tb_scalars(tb, f"comm-bytes/{op}[tp]"))
@@ -98,12 +187,15 @@ def test_tp2_sequence_parallel_bytes_per_step_equal_megatrons_count(schedule, sh
     split_weights = {  # per layer: norms and row-parallel biases; then the modules after the layers
         "gpt_tp": layers * 6 * h + 2 * h, "gpt_neo_tp": layers * 6 * h + 2 * h, "opt_tp": layers * 6 * h + 2 * h,
         "llama_tp": layers * 2 * h + h, "auto": layers * 2 * h + h, "bert_tp": layers * 6 * h + (h * h + h) + 2 * h,
-    }[schedule]  # fmt: skip
+        "auto-qwen3_moe": layers * (2 * h + EXPERTS * h + 2 * HEAD_DIM) + h,  # norms, router, q/k norms; final norm
+    }[case]  # fmt: skip
     pooler = schedule == "bert_tp"
+    routing = micro * layers * b * s * TOPK if case == "auto-qwen3_moe" else 0  # routing weights (and choices)
+    int64 = 8
     expected = {
         "all_reduce": (activation if positions else 0) + loss + split_weights * fp32,
-        "all_gather_single": (4 * layers + 2 + pooler) * activation,
-        "reduce_scatter_single": (4 * layers + 1 + (not positions)) * activation,
+        "all_gather_single": (4 * layers + 2 + pooler) * activation + routing * (fp32 + int64),
+        "reduce_scatter_single": (4 * layers + 1 + (not positions)) * activation + routing * fp32,
     }
     assert measured == {op: {1: v, 2: v} for op, v in expected.items()}, (measured, expected)
 

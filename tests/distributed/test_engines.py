@@ -7,6 +7,7 @@ reduce-scatter), which moves fp32 losses around 8.0 by a few 1e-7; dropout is of
 masks depend on the layout.
 """
 
+import json
 import os
 
 import pytest
@@ -121,6 +122,49 @@ def test_gpt_fused_loss_parity(reference, shared_tmp, cache):
     require_compiler()
     tb = os.path.join(shared_tmp, "tb-parity-gpt-fused")
     losses = train_losses("gpt", [*MODEL, "--schedule", "gpt_fused", "--data-cache-path", cache], tb)
+    assert_parity(losses, reference("gpt"), TOLERANCE)
+
+
+@pytest.mark.parametrize("engine", ["megatron", "ddp"])
+def test_compiled_layers_draw_the_dropout_masks_eager_draws_under_tp2(engine, shared_tmp, cache):
+    """--compile with dropout on (0.1 on the hidden states and the attention probabilities) at TP2:
+    the losses of eager, step by step, to 1e-5; the compiled run recomputes every layer too. A mask
+    drawn otherwise (inductor's own RNG, another tensor-parallel stream, a replay that draws anew)
+    moves the loss by ~1e-2; without dropout the first loss is another (the flags did apply)."""
+    require_compiler()
+    run = [*PARITY, *SCHEDULES["gpt"], *TP2, "--engine", engine, "--train-iters", "3", "--data-cache-path", cache]
+    tb = os.path.join(shared_tmp, f"tb-compile-dropout-{engine}")
+    dropout = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    eager = train_losses("gpt", [*run, *dropout], f"{tb}/eager")
+    compiled = train_losses("gpt", [*run, *dropout, "--compile", "--recompute-granularity", "full"], f"{tb}/compiled")
+    plain = train_losses("gpt", [*run, "--train-iters", "1"], f"{tb}/no-dropout")
+    assert sorted(eager) == sorted(compiled) == [1, 2, 3], (eager, compiled)
+    assert max(abs(eager[i] - compiled[i]) for i in eager) < TOLERANCE, (eager, compiled)
+    assert abs(plain[1] - eager[1]) > 1e-3, (plain, eager)
+
+
+def test_zero0_from_a_deepspeed_config_trains_as_one_process(reference, shared_tmp, cache, monkeypatch):
+    """--deepspeed-config in a real run: a JSON file asking for ZeRO stage 0 (no --zero-stage; the
+    flags alone would give stage 1), which DeepSpeed itself then reports running, on two data-parallel
+    ranks; and ZeRO-0's losses are one process's."""
+    from megatron_slapo.engines.deepspeed_zero import DeepSpeedEngine
+
+    config = os.path.join(shared_tmp, "ds-zero0.json")
+    if dist.get_rank() == 0:
+        with open(config, "w") as f:
+            json.dump({"zero_optimization": {"stage": 0}}, f)
+    dist.barrier()
+    stages, train_step = [], DeepSpeedEngine.train_step
+
+    def recording(self, *args, **kwargs):
+        stages.append(self.ds.zero_optimization_stage())  # DeepSpeed's reading of the config it was given
+        return train_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(DeepSpeedEngine, "train_step", recording)
+    tb = os.path.join(shared_tmp, "tb-parity-zero0-config")
+    losses = train_losses("gpt", [*MODEL, *SCHEDULES["gpt"], "--engine", "deepspeed", "--deepspeed-config", config,
+                                  "--data-cache-path", cache], tb)  # fmt: skip
+    assert stages == [0] * 10, stages
     assert_parity(losses, reference("gpt"), TOLERANCE)
 
 

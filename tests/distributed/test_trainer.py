@@ -34,22 +34,29 @@ from tools import convert_checkpoint, preprocess_data, train_tokenizer
 
 
 def test_embedded_default_run_prints_the_log_line_and_writes_tensorboard(shared_tmp, cache, capsys):
-    tb = os.path.join(shared_tmp, "tb-embedded")
+    """Megatron's log line and TensorBoard tags, with torchtitan's throughput, ``tflops`` and, against
+    a given ``--peak-tflops``, ``mfu(%)`` (a CPU has no known peak)."""
+    tb, peak = os.path.join(shared_tmp, "tb-embedded"), 0.5
     state = pretrain("gpt", [*TP2, "--train-iters", "6", "--log-interval", "3", "--eval-interval", "3",
-                             "--tensorboard-dir", tb, "--data-cache-path", cache])  # fmt: skip
+                             "--tensorboard-dir", tb, "--data-cache-path", cache, "--peak-tflops", str(peak)])  # fmt: skip
     assert state.iteration == 6 and state.consumed_train_samples == 6 * 16
     out = capsys.readouterr().out
     line = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration        6/       6 \| consumed samples:           96 \| "
     line += r"elapsed time per iteration \(ms\): [\d.]+ \| throughput per GPU \(TFLOP/s/GPU\): [\d.]+ \| "
     line += r"learning rate: [\d.]+E[-+]\d\d \| global batch size:    16 \| lm loss: [\d.]+E\+00 \| loss scale: 1.0 \| "
     line += r"grad norm: [\d.]+ \| number of skipped iterations:   0 \| number of nan iterations:   0 \|"
+    line += r".* \| MFU: [\d.]+% \|"
     found = last_rank_value(lambda: bool(re.search(line, out)))
     tags = last_rank_value(lambda: tb_tags(tb))
     losses = last_rank_value(lambda: tb_scalars(tb, "lm loss"))
+    tflops = last_rank_value(lambda: tb_scalars(tb, "tflops"))
+    mfu = last_rank_value(lambda: tb_scalars(tb, "mfu(%)"))
     assert found, "Megatron log line missing"
     assert losses[6] < losses[1] - 0.5, losses
     for tag in ("lm loss", "throughput(tps)", "lm loss validation", "learning-rate", "grad-norm", "iteration-time"):
         assert tag in tags, tag
+    assert sorted(tflops) == sorted(mfu) == list(range(1, 7)) and all(tflops[i] > 0 for i in tflops), (tflops, mfu)
+    assert all(abs(mfu[i] - 100 * tflops[i] / peak) <= 1e-4 * mfu[i] for i in mfu), (tflops, mfu)
 
 
 RESUME_CASES = {
@@ -378,3 +385,13 @@ def test_load_hf_starts_from_pretrained_weights(shared_tmp, cache, rank):
     a = transformers.GPT2LMHeadModel.from_pretrained(hf).state_dict()
     b = transformers.GPT2LMHeadModel.from_pretrained(back).state_dict()
     assert a.keys() == b.keys() and max(max_diff(a[k], b[k]) for k in a) < 1e-20
+    # --hf-config: the same directory's shape (not the embedded run's 4 layers of 256), freshly initialised
+    shaped = os.path.join(shared_tmp, "ck-hf-config")
+    pretrain("gpt", [*TP2, "--hf-config", hf, "--micro-batch-size", "4", "--train-iters", "1", "--eval-iters", "0",
+                     "--data-cache-path", cache, "--save", shaped])  # fmt: skip
+    state = checkpointing.read(os.path.join(checkpointing.iteration_dir(shaped, 1), f"mp_rank_{rank:02d}",
+                                            checkpointing.FILENAME))  # fmt: skip
+    config = json.loads(state["slapo"]["hf_config"])
+    assert (config["n_layer"], config["n_embd"], config["n_positions"]) == (2, 64, 32), config
+    assert state["model"]["transformer.wpe.weight"].shape == a["transformer.wpe.weight"].shape == (32, 64)
+    assert not torch.equal(state["model"]["transformer.wpe.weight"], a["transformer.wpe.weight"])  # not loaded

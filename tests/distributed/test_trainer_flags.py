@@ -23,8 +23,11 @@ def run_args(cache, *extra):
 
 
 def test_saves_and_arguments_are_logged_and_no_save_rng_needs_no_load_rng(shared_tmp, cache, rank, capsys):
+    """Saves and the arguments on rank 0's log; a checkpoint saved with --no-save-rng and
+    --no-save-optim holds neither (resuming it needs --no-load-rng, and starts the optimizer afresh)."""
     ck = os.path.join(shared_tmp, "ck-no-rng")
-    pretrain("gpt", run_args(cache, "--train-iters", "2", "--save", ck, "--save-interval", "1", "--no-save-rng"))
+    pretrain("gpt", run_args(cache, "--train-iters", "2", "--save", ck, "--save-interval", "1", "--no-save-rng",
+                             "--no-save-optim"))  # fmt: skip
     out = capsys.readouterr().out
     if rank == 0:
         assert "------------------------ arguments ------------------------" in out
@@ -36,11 +39,14 @@ def test_saves_and_arguments_are_logged_and_no_save_rng_needs_no_load_rng(shared
         assert "saving checkpoint" not in out and "-- arguments --" not in out  # rank 0 only, as Megatron
     state = checkpointing.read(os.path.join(checkpointing.iteration_dir(ck, 2), "mp_rank_00", checkpointing.FILENAME))
     assert "rng_state" not in state and state["iteration"] == 2
+    assert "model" in state and not {"optimizer", "opt_param_scheduler"} & set(state), sorted(state)
     with pytest.raises(SystemExit):
         pretrain("gpt", run_args(cache, "--train-iters", "3", "--load", ck))
     err = capsys.readouterr().err
     assert "holds no RNG state (saved with --no-save-rng); pass --no-load-rng" in err
     assert pretrain("gpt", run_args(cache, "--train-iters", "3", "--load", ck, "--no-load-rng")).iteration == 3
+    out = capsys.readouterr().out
+    assert rank != 0 or "has no optimizer state (saved with --no-save-optim)" in out, out[-3000:]
 
 
 def test_exit_duration_stops_saves_and_skips_the_final_evaluation(shared_tmp, cache, rank, capsys):
