@@ -7,4 +7,22 @@ start-up (torch, transformers, megatron-core imports) is paid once per world siz
 
 import os
 
+import pytest
+
 collect_ignore = [] if "WORLD_SIZE" in os.environ else ["distributed"]
+
+# Each torchrun suite's slowest tests (rank 0's --durations block), left by tests/test_distributed.py
+# and printed after pytest's own list, whose two slowest entries are those suites as a whole.
+_DISTRIBUTED_SLOWEST: dict[int, str] = {}
+
+
+@pytest.fixture(scope="session")
+def slowest_distributed() -> dict[int, str]:
+    """World size -> the distributed suite's list of its slowest tests, for the terminal summary."""
+    return _DISTRIBUTED_SLOWEST
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for world_size, block in sorted(_DISTRIBUTED_SLOWEST.items()):
+        terminalreporter.write_sep("=", f"slowest tests of the distributed suite at world size {world_size} (rank 0)")
+        terminalreporter.write_line(block)

@@ -113,6 +113,8 @@ def _is_patch(target: ast.expr, imports: dict[str, str]) -> bool:
     while isinstance(target, ast.Attribute):
         chain.insert(0, target.attr)
         target = target.value
+    if chain and isinstance(target, (ast.Call, ast.Subscript)):  # importlib.import_module(...).f, sys.modules[...].f
+        return ast.unparse(target).startswith(("importlib.import_module(", "sys.modules["))
     if not (isinstance(target, ast.Name) and target.id in imports):
         return False
     try:
@@ -208,6 +210,8 @@ def test_no_third_party_private_names_outside_compat():
 
 
 PLANTED = """\
+import importlib
+
 import torch._dynamo
 import torch.backends.cudnn
 from torch import nn
@@ -222,6 +226,7 @@ class Tracer(MetaTracer):
         getattr(x, "_buffers")
         nn.Module.__call__ = None
         torch.backends.cudnn.benchmark = True  # a setting, not a patch
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = None
         return x._parameters
 """
 
@@ -236,13 +241,14 @@ def test_scan_finds_planted_private_names(tmp_path):
     found = [where for _, where in overrides(ast.parse(PLANTED), module, "planted.py")]
     found += private_uses(planted, own, "planted.py")
     assert sorted(found) == [
-        "planted.py:1 torch._dynamo",
-        "planted.py:10 ._disable_module_getattr",
-        "planted.py:10 _disable_module_getattr (of torch.fx.experimental.meta_tracer.MetaTracer)",
-        "planted.py:12 '_buffers'",
-        "planted.py:13 patch nn.Module.__call__",
-        "planted.py:15 ._parameters",
-        "planted.py:5 torch.nn.modules.conv._ConvNd",
+        "planted.py:12 ._disable_module_getattr",
+        "planted.py:12 _disable_module_getattr (of torch.fx.experimental.meta_tracer.MetaTracer)",
+        "planted.py:14 '_buffers'",
+        "planted.py:15 patch nn.Module.__call__",
+        "planted.py:17 patch importlib.import_module('deepspeed.comm.torch').build_shm_op",
+        "planted.py:18 ._parameters",
+        "planted.py:3 torch._dynamo",
+        "planted.py:7 torch.nn.modules.conv._ConvNd",
     ]
 
 

@@ -24,6 +24,7 @@ import transformers
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.models import MODEL_CLASSES
 from megatron_slapo.parallel.layout import unshard
+from megatron_slapo.parallel.state import Layout
 from megatron_slapo.training import checkpointing
 
 
@@ -159,7 +160,7 @@ def from_hf(args: argparse.Namespace) -> None:
     metadata = checkpointing.export_metadata(
         model.state_dict(keep_vars=True), type(model).__name__, task, model.config, vocab, vocab_params, tp
     )
-    layout, resume = checkpointing.Layout.current(), checkpointing.Resume()
+    layout, resume = Layout.current(), checkpointing.Resume()
     path = checkpointing.save(engine, run_args, layout, resume, metadata, vars(run_args))
     if torch.distributed.get_rank() == 0:
         print(f"wrote {path} (TP {tp}); train from it with --load {args.save} --finetune (or --no-load-optim)")

@@ -39,7 +39,7 @@ def apply() -> None:
     if _applied:
         return
     if torch.cuda.is_available():
-        raise RuntimeError("cpu_compat.apply() is for CPU-only machines; CUDA is available here")
+        raise RuntimeError("megatron_cpu.apply() is for CPU-only machines; CUDA is available here")
     # NB: these replace torch.cuda functions for the whole process (there is no CUDA to lose).
     # Buffers allocated on "the current CUDA device" land on the CPU instead; megatron only passes
     # the result on as a device, so a device string stands in for the usual index.

@@ -2,7 +2,7 @@
 
 The scheduled model already carries its tensor parallelism; DDP averages gradients across the
 data-parallel replicas. Mixed precision is autocast (fp32 master weights, like Megatron's
-``--bf16``/``--fp16``), with Megatron's dynamic loss scale for fp16 (:mod:`..training.loss_scaler`).
+``--bf16``/``--fp16``), with Megatron's dynamic loss scale for fp16 (:mod:`megatron_slapo.engines.loss_scaler`).
 """
 
 from __future__ import annotations

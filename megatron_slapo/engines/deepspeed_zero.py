@@ -15,7 +15,6 @@ whatever engine wrote the checkpoint.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import math
 import os
@@ -26,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_slapo.compat.deepspeed_internals import convert_to_zero_parameters
+from megatron_slapo.compat.deepspeed_internals import convert_to_zero_parameters, skip_shm_op_build
 from megatron_slapo.engines.base import (
     Batch,
     ModelShape,
@@ -91,7 +90,7 @@ def _import_deepspeed() -> Any:
     # DeepSpeed 0.19 calls collectives that torch 2.13 renamed; the warning is not actionable here.
     warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
     if not torch.cuda.is_available():
-        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+        skip_shm_op_build()
     return deepspeed
 
 

@@ -4,7 +4,7 @@ The megatron engine hands the flags to megatron-core's optimizer, which builds t
 itself. The engines that step their own optimizer (DDP, FSDP2) take it from here and decide
 ``found_inf`` from the model-wide gradient norm, so every rank of a model skips the same steps and
 keeps the same scale. The scalers keep the scale as a one-element tensor on the device (they
-allocate on "cuda"; :func:`cpu_compat.device_mode` maps that onto the CPU when there is no GPU).
+allocate on "cuda"; :func:`megatron_slapo.compat.megatron_cpu.device_mode` maps that onto the CPU when there is no GPU).
 """
 
 from __future__ import annotations

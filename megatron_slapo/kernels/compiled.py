@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,9 +38,9 @@ class CompiledSubgraph(SubgraphModule):
 # What torch raises where it cannot build kernels on this machine, by class name (torch._inductor.exc
 # and torch._dynamo.exc are private modules): no working C++ compiler (a missing or broken ``cc``),
 # a C++/CUDA compile that fails (missing headers, a toolchain inductor cannot drive), Triton missing
-# or the GPU too old for it, and a backend name this torch does not know.
-CANNOT_BUILD = frozenset({"InvalidCxxCompiler", "CppCompileError", "TritonMissing", "GPUTooOldForTriton",
-                          "InvalidBackend"})  # fmt: skip
+# or the GPU too old for it. (A backend name torch does not know is the caller's mistake, answered
+# before compiling.)
+CANNOT_BUILD = frozenset({"InvalidCxxCompiler", "CppCompileError", "TritonMissing", "GPUTooOldForTriton"})
 
 
 def _cannot_build(error: BaseException) -> BaseException | None:
@@ -57,13 +58,15 @@ def _cannot_build(error: BaseException) -> BaseException | None:
 
 
 @functools.cache
-def compiler_problem(backend: str = "inductor") -> str | None:
+def compiler_problem(backend: str | Callable = "inductor") -> str | None:
     """Why ``torch.compile(backend=...)`` cannot build a forward and backward here, or ``None``
     (inductor needs a C++ compiler on a CPU, Triton on a GPU).
 
     Only that answer is an answer: any other error of the probe's compile (a bug in torch, in the
     backend or in how it is called) is raised as it is, so that a broken compiler fails the run, or
     the test, rather than passing for a machine without one."""
+    if isinstance(backend, str) and backend not in torch.compiler.list_backends(exclude_tags=()):
+        return f"torch.compile has no backend {backend!r} (it has: {', '.join(torch.compiler.list_backends())})"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     x = torch.ones(4, device=device, requires_grad=True)
     try:

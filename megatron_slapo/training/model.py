@@ -188,6 +188,13 @@ def vocabulary(
                       hf_vocab_size(hf_config.vocab_size, tokenizer.vocab_size, multiple, tp))  # fmt: skip
 
 
+def _check_read(args: argparse.Namespace, hf_config: transformers.PretrainedConfig | None) -> None:
+    """A caller's mistake, not the user's: ``--hf-config``/``--load-hf`` given, but the config it
+    names not passed in (the model would silently take the size flags' shape)."""
+    if hf_config is None and (args.hf_config or args.load_hf):
+        raise ValueError("pass the config read_hf_config(args) read for --hf-config / --load-hf")
+
+
 def build_config(
     args: argparse.Namespace,
     tokenizer: Any,
@@ -197,6 +204,7 @@ def build_config(
     """The HF config of the run (a copy of ``hf_config``, the one :func:`read_hf_config` read, else
     one from the size flags) with the padded :func:`vocabulary`, checked against the TP size
     (``shared_kv_heads``: the schedule is ``auto``, see :func:`check_divisible`)."""
+    _check_read(args, hf_config)
     tp = args.tensor_model_parallel_size
     padded = vocabulary(args, tokenizer, hf_config).padded_size
     if hf_config is not None:
@@ -218,6 +226,7 @@ def build_vision_config(
     """The image model's config (``hf_config``, the one :func:`read_hf_config` read, else one from
     the size flags), checked against the TP size. Images under 64 pixels get the 3x3 stem without
     max-pool (CIFAR's), larger ones torchvision's ImageNet stem."""
+    _check_read(args, hf_config)
     if hf_config is not None:
         config = hf_config
         if not isinstance(config, WideResNetConfig):
