@@ -174,6 +174,7 @@ def _tune(tmp_path, *extra):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900), results
 
 
+@pytest.mark.slow
 def test_autotune_runs_trials_resumes_and_prints_a_command_that_trains(tmp_path):
     done, results = _tune(tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -76,6 +76,7 @@ def test_the_benchmark_runs_every_schedule_both_ways():
     assert all(before > after for name, (before, after) in reduced.items() if name != "gpt_tp"), reduced
 
 
+@pytest.mark.slow
 def test_the_benchmark_times_a_recipe_against_hf_eager_in_one_run(tmp_path):
     """tools/bench.py --grid tiny: one row, both sides timed in the same run; JSON and PNG written."""
     require_compiler()  # its recipe, gpt_fused, compiles every layer
@@ -146,6 +147,7 @@ def test_plot_draws_the_loss_and_throughput_of_each_run(tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suite", ["fig7", "fig9"])
 def test_the_papers_suites_time_every_system_and_plot_them(tmp_path, suite):
     """tools/bench_suites.py on two CPU ranks, a tiny GPT-2: a row per system (Figure 7: HF eager,

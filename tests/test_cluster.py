@@ -98,6 +98,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_on_loopback_train_as_one_node_through_a_requeue(tmp_path):
     data = embedded.prepare("gpt", os.path.join(os.path.expanduser("~"), ".cache", "megatron_slapo"))
     tiny = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",

@@ -6,10 +6,11 @@ and shared with every rank, so that all ranks assert the same thing.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import pytest
 import torch.distributed as dist
@@ -73,15 +74,40 @@ def single_process_losses(
     return first_rank_value(lambda: tb_scalars(tb, tag))
 
 
-def reference_losses(shared_tmp: str, run_of: Callable[[str], tuple[str, list[str]]]) -> Callable[[str], dict]:
+def single_process_batch(runs: list[tuple[str, list[str], str]], shared_tmp: str) -> None:
+    """Each ``(task, argv, tb)`` of ``runs`` as :func:`single_process_losses` would run it, all in one
+    plain process started by rank 0 (``reference_batch.py``: the imports paid once)."""
+    if dist.get_rank() == 0:
+        listing = os.path.join(shared_tmp, f"reference-batch-{os.getpid()}-{len(runs)}.json")
+        with open(listing, "w") as f:
+            json.dump([[task, [*argv, "--tensorboard-dir", tb]] for task, argv, tb in runs], f)
+        cmd = [sys.executable, os.path.join(ROOT, "tests", "distributed", "reference_batch.py"), listing]
+        done = subprocess.run(cmd, env=plain_env(), cwd=ROOT, capture_output=True, text=True, timeout=60 * len(runs))
+        assert done.returncode == 0, done.stderr[-3000:]
+    dist.barrier()
+
+
+def reference_losses(
+    shared_tmp: str, run_of: Callable[[str], tuple[str, list[str]]], keys: Iterable[str] = ()
+) -> Callable[[str], dict]:
     """``get(key)``: :func:`single_process_losses` of the run ``run_of(key)`` (task, argv), computed
-    once per torchrun session, on first use."""
+    once per torchrun session, on first use; the first use of one of ``keys`` (those this session's
+    tests will ask for) runs all of them at once, in one process (:func:`single_process_batch`)."""
     found: dict[str, dict[int, float]] = {}
+    batched = list(dict.fromkeys(keys))
+
+    def tb(key: str) -> str:
+        return os.path.join(shared_tmp, f"tb-reference-{key}")
 
     def get(key: str) -> dict[int, float]:
+        if key in batched and key not in found:
+            pending = [k for k in batched if k not in found]
+            single_process_batch([(*run_of(k), tb(k)) for k in pending], shared_tmp)
+            for k in pending:
+                found[k] = first_rank_value(lambda k=k: tb_scalars(tb(k), "lm loss"))
         if key not in found:
             task, argv = run_of(key)
-            found[key] = single_process_losses(task, argv, os.path.join(shared_tmp, f"tb-reference-{key}"))
+            found[key] = single_process_losses(task, argv, tb(key))
         return found[key]
 
     return get

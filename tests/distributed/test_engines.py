@@ -73,10 +73,10 @@ LAYOUTS = {  # name -> (world sizes, extra flags)
 
 @pytest.fixture(scope="module")
 def reference(shared_tmp, cache):
-    """Single-process losses per task (and for ALBERT and RoBERTa)."""
+    """Single-process losses per task (and for ALBERT and RoBERTa), run in one process."""
     runs = {**SCHEDULES, **ENCODERS}
     return reference_losses(shared_tmp, lambda key: ("gpt" if key == "gpt" else "bert",
-                                                     [*MODEL, *runs[key], "--data-cache-path", cache]))  # fmt: skip
+                                                     [*MODEL, *runs[key], "--data-cache-path", cache]), runs)  # fmt: skip
 
 
 # torch.compile per layer under the sharded engines (their gathers and hooks stay outside the compiled

@@ -38,9 +38,9 @@ LAYOUTS = {  # name -> (world sizes, extra flags, families)
 
 @pytest.fixture(scope="module")
 def reference(shared_tmp, cache):
-    """Single-process losses per family."""
+    """Single-process losses per family, run in one process."""
     return reference_losses(
-        shared_tmp, lambda family: ("gpt", [*PARITY, *FAMILIES[family], "--data-cache-path", cache])
+        shared_tmp, lambda family: ("gpt", [*PARITY, *FAMILIES[family], "--data-cache-path", cache]), FAMILIES
     )
 
 
