@@ -17,7 +17,6 @@ from megatron_slapo.parallel.collectives import gather_tensor
 from megatron_slapo.plans.hf_plan import NO_SEQUENCE_PARALLEL
 from megatron_slapo.plans.sequence import split_layers
 from schedules import auto, llama_tp
-from tests.distributed.conftest import WORLD_SIZE
 from tests.distributed.runs import PARITY, assert_parity, layout_case, reference_losses, train_losses
 from tests.utils import max_diff
 
@@ -162,7 +161,7 @@ LAYOUTS = [("tp2", (2,), TP2, [*TRAINED, "llama-kv1", "qwen3_moe-kv1"]), ("tp2-p
 @pytest.fixture(scope="module")
 def reference(shared_tmp, cache):
     """One process's losses per family: those this world size trains, run in one process."""
-    here = [family for _, sizes, _, families in LAYOUTS if WORLD_SIZE in sizes for family in families]
+    here = [family for _, sizes, _, families in LAYOUTS if dist.get_world_size() in sizes for family in families]
     return reference_losses(shared_tmp, lambda family: ("gpt", [*_trained(family), "--data-cache-path", cache]), here)
 
 
