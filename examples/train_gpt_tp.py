@@ -1,11 +1,11 @@
 """Train a small HF GPT-2 with tensor parallelism from ``schedules/gpt_tp.py``.
 
-    torchrun --nproc_per_node 2 examples/train_gpt_tp.py [--steps 40]
+    .venv/bin/torchrun --nproc_per_node 2 examples/train_gpt_tp.py --steps 40
 
 The model is created on the meta device, scheduled (vocabulary-parallel embedding and loss,
 column/row-parallel attention and MLP), and built shard-locally; it then trains on the bytes of a
 text that ships with Python (the ``argparse`` module's source), so it runs anywhere without data
-or network. This is the library's demo until ``pretrain_gpt.py`` lands.
+or network. This is the library on its own, without the trainer (``pretrain_gpt.py``) around it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Each module is a few lines: a tensor-parallel plan (see ``megatron_slapo/plans/styles.py``) and
 whatever primitives the model needs beyond sharding. Add a schedule by writing the module and
-adding it here.
+adding it here (and to :data:`SINGLE_DEVICE` if it splits nothing). Without ``--schedule``, a run
+at TP size > 1 gets the tensor-parallel schedule written for its model type (:func:`default_for`).
 """
 
 from types import ModuleType
@@ -36,12 +37,26 @@ def fitting(model_type: str) -> list[str]:
     return [name for name, mod in SCHEDULES.items() if mod.MODEL_TYPES is None or model_type in mod.MODEL_TYPES]
 
 
+# The schedules that split nothing (the model on each rank whole: data parallelism only, TP size 1).
+# Every other schedule written for a model type is that type's tensor-parallel schedule.
+SINGLE_DEVICE = frozenset({"default", "gpt_fused"})
+
+
+def tensor_parallel_for(model_type: str) -> str | None:
+    """The tensor-parallel schedule written for ``model_type`` (the first in :data:`SCHEDULES`
+    whose ``MODEL_TYPES`` name it, ``auto`` aside); None if it has none."""
+    written = (name for name, mod in SCHEDULES.items() if name not in SINGLE_DEVICE and mod is not auto)
+    return next((name for name in written if model_type in SCHEDULES[name].MODEL_TYPES), None)
+
+
 def default_for(model_type: str, tensor_parallel: int) -> str:
-    """The schedule a run gets without ``--schedule``: under tensor parallelism, ``auto`` for a
-    family it is verified on that has no hand-written schedule (those are chosen by name); else
-    ``default`` (the model as it is, data-parallel)."""
-    written = any(mod.MODEL_TYPES and model_type in mod.MODEL_TYPES for mod in SCHEDULES.values() if mod is not auto)
-    return "auto" if tensor_parallel > 1 and model_type in auto.MODEL_TYPES and not written else "default"
+    """The schedule a run gets without ``--schedule``. Under tensor parallelism: the family's own
+    tensor-parallel schedule (gpt2 -> gpt_tp, ...), else ``auto`` for a family it is verified on;
+    else (and at TP size 1) ``default``, the model as it is, data-parallel."""
+    if tensor_parallel <= 1:
+        return "default"
+    own = tensor_parallel_for(model_type)
+    return own or ("auto" if model_type in auto.MODEL_TYPES else "default")
 
 
 def _listed(names: tuple[str, ...]) -> str:

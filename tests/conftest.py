@@ -16,6 +16,18 @@ collect_ignore = [] if "WORLD_SIZE" in os.environ else ["distributed"]
 _DISTRIBUTED_SLOWEST: dict[int, str] = {}
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left():
+    """A single-process test whose run stops after the (one-rank) process groups started leaves
+    none to the next test, so that every test passes alone and in any order. Under torchrun the
+    distributed suite keeps its groups from test to test."""
+    yield
+    if "WORLD_SIZE" not in os.environ:
+        from megatron_slapo import parallel
+
+        parallel.destroy()
+
+
 @pytest.fixture(scope="session")
 def slowest_distributed() -> dict[int, str]:
     """World size -> the distributed suite's list of its slowest tests, for the terminal summary."""

@@ -6,9 +6,10 @@ import pytest
 import transformers
 
 from megatron_slapo.errors import ConfigError
-from megatron_slapo.training.arguments import EMBEDDED_DEFAULTS, parse_args, validate_args
+from megatron_slapo.training.arguments import EMBEDDED_DEFAULTS, parse_args
 from megatron_slapo.training.loop import pretrain
 from megatron_slapo.training.model import padded_vocab_size
+from megatron_slapo.training.validation import validate_args
 
 DATA = ["--data-path", "corpus_text_document", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
 SIZES = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
@@ -71,10 +72,30 @@ def test_contradictions_are_one_clear_error(extra, world, message):
         args_for(*extra, world=world)
 
 
+def test_every_problem_that_waits_on_no_other_is_in_one_message():
+    """Missing flags, values out of range and contradicting pairs together; how values relate (the
+    world and the parallel sizes, the width and the heads) once each is given and in range, so that
+    no message is the consequence of another."""
+    argv = [*DATA, *SIZES, "--micro-batch-size", "0", "--seed", "-1", "--lr", "nan", "--bf16", "--fp16",
+            "--tensor-model-parallel-size", "3", "--hidden-size", "66"]  # fmt: skip
+    with pytest.raises(ConfigError) as error:
+        validate_args(parse_args("gpt", argv), 2)
+    assert str(error.value) == (
+        "--train-iters (or --train-samples) is required; --lr nan must be a finite number; --micro-batch-size 0 must "
+        "be >= 1; --seed -1 must lie between 0 and 4294967295; --bf16 and --fp16 are mutually exclusive"
+    )
+    fixed = [*DATA, *SIZES, *TRAIN, "--tensor-model-parallel-size", "3", "--hidden-size", "66", "--bf16", "--fp16"]
+    with pytest.raises(ConfigError) as error:
+        validate_args(parse_args("gpt", fixed), 2)
+    assert str(error.value) == ("world size 2 is not divisible by tensor (3) x pipeline (1) parallel sizes; "
+                                "--hidden-size 66 is not divisible by --num-attention-heads 4: each head takes an "
+                                "equal slice of the width; --bf16 and --fp16 are mutually exclusive")  # fmt: skip
+
+
 def test_no_data_flags_means_the_embedded_default():
     args = parse_args("gpt", ["--schedule", "gpt_tp", "--train-iters", "7"])
     assert args.embedded_data and args.train_iters == 7  # an explicit flag wins
-    assert args.num_layers == EMBEDDED_DEFAULTS["num_layers"] and args.tensorboard_dir
+    assert args.num_layers == EMBEDDED_DEFAULTS["num_layers"]
     with pytest.raises(ConfigError, match="tokenizer flags need --data-path"):
         validate_args(parse_args("gpt", ["--tokenizer-type", "NullTokenizer"]), 1)
 
@@ -290,5 +311,5 @@ def test_without_schedule_a_family_auto_is_verified_on_gets_auto_under_tensor_pa
 
     assert default_for("qwen3", 2) == default_for("mixtral", 4) == "auto"  # verified, nothing written by hand
     assert default_for("qwen3", 1) == "default"  # no tensor parallelism: nothing to split
-    assert default_for("llama", 2) == default_for("gpt2", 2) == "default"  # a schedule of their own: chosen by name
+    assert (default_for("llama", 2), default_for("gpt2", 2)) == ("llama_tp", "gpt_tp")  # a schedule of their own
     assert default_for("codegen", 2) == "default"  # auto is not verified on it

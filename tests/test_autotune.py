@@ -99,6 +99,31 @@ def test_the_search_runs_fewer_trials_and_finds_the_exhaustive_best(tmp_path):
     assert (other.ran, other.resumed) == (tuned.ran, 0)
 
 
+def test_a_resumed_search_reuses_its_plans_unless_the_setting_or_the_planner_changed(tmp_path):
+    space, plan, time_of = _toy()
+    planned = []
+
+    def counting(flags):
+        planned.append(flags)
+        return plan(flags)
+
+    def tune(**kw):
+        planned.clear()
+        return search(space, lambda p: [json.dumps(p)], counting, time_of, 700, savers=("recompute", "zero"),
+                      results=str(tmp_path / "r.jsonl"), stream=io.StringIO(), **kw)  # fmt: skip
+
+    first = tune(plan_version="a")
+    assert len(planned) == 16 and first.plans_kept == 0
+    again = tune(plan_version="a")
+    assert planned == [] and again.plans_kept == 16 and again.ran == 0
+    assert [(c.reason, c.why, c.cost) for c in again.candidates] == [
+        (c.reason, c.why, c.cost) for c in first.candidates
+    ]
+    assert again.best.point == first.best.point and again.ignored == 0  # plan lines are not results
+    assert len(tune(plan_version="b").candidates) == len(planned) == 16  # the planner's code changed
+    assert tune(plan_version="a", setting={"flags": ["--seq-length", "64"]}).plans_kept == 0  # other fixed flags
+
+
 def test_a_point_runs_after_all_when_the_point_that_dominated_it_fails():
     space = Space().symbol("recompute", ["none", "selective", "full"])
     costs = {"none": Cost(1, 1.0, 1.0), "selective": Cost(1, 1.5, 1.0), "full": Cost(1, 2.0, 1.0)}
@@ -168,7 +193,7 @@ def _tune(tmp_path, *extra):
            "--micro-batch-sizes", "4", "--recompute", "none,full", "--warmup", "1", "--steps", "1", "--confirm-rounds", "0",
            "--results", str(results), *extra, "--", "--num-layers", "2", "--hidden-size", "64",
            "--num-attention-heads", "4", "--seq-length", "32", "--global-batch-size", "8", "--num-workers", "0",
-           "--train-iters", "2", "--eval-iters", "0", "--schedule", "gpt_tp", "--data-cache-path", str(tmp_path / "cache"),
+           "--train-iters", "2", "--eval-iters", "0", "--data-cache-path", str(tmp_path / "cache"),
            "--tensorboard-dir", str(tmp_path / "tb")]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900), results
@@ -176,28 +201,82 @@ def _tune(tmp_path, *extra):
 
 @pytest.mark.slow
 def test_autotune_runs_trials_resumes_and_prints_a_command_that_trains(tmp_path):
+    from tools.autotune import launcher
+
     done, results = _tune(tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
-    # tp 1 or 2, each with and without recompute: recompute is dominated where the layer fits
+    # tp 1 (default) or 2 (gpt_tp, no --schedule given), each with and without recompute: recompute
+    # is dominated where the layer fits
     assert "> searching 4 configurations on 2 ranks" in lines[0]
+    assert "> explained 4 configurations: 4 now, 0 kept in" in done.stdout
     summary = next(line for line in lines if line.startswith("> 2 trials of 4"))
     assert "2 run now" in summary and "2 dominated" in summary and "all 4" in summary
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    assert len(rows) == 2 and all(r["result"]["step_seconds"] > 0 for r in rows)
-    assert {r["point"]["recompute"] for r in rows} == {"none"}
-    command = shlex.split(lines[-1])
-    assert command[:3] == ["torchrun", "--nproc_per_node=2", "pretrain_gpt.py"]
-    again, _ = _tune(tmp_path)
+    trials = [r for r in rows if "result" in r]
+    assert len(trials) == 2 and all(r["result"]["step_seconds"] > 0 for r in trials)
+    assert {r["point"]["recompute"] for r in trials} == {"none"} and {r["point"]["tp"] for r in trials} == {1, 2}
+    assert len([r for r in rows if "plan" in r]) == 4 and "refused" not in done.stdout
+    command = lines[-1]
+    prefix = [*launcher(), "--standalone", "--nproc_per_node=2", "pretrain_gpt.py"]
+    assert shlex.split(command)[: len(prefix)] == prefix
+    again, _ = _tune(tmp_path)  # resumed: nothing explained or run again
     assert again.returncode == 0 and "0 run now, 2 from" in again.stdout, again.stdout[-2000:]
-    assert shlex.split(again.stdout.strip().splitlines()[-1]) == command
-    trained = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", *command[1:]], cwd=ROOT,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert "> explained 4 configurations: 0 now, 4 kept in" in again.stdout
+    assert again.stdout.strip().splitlines()[-1] == command
+    # as printed, from the root, in a shell whose PATH lacks the environment's bin
+    path = os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if Path(p) != Path(sys.executable).parent)
+    trained = subprocess.run(command, shell=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PATH": path},
+                             capture_output=True, text=True, timeout=600)  # fmt: skip
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert sorted(tb_scalars(str(tmp_path / "tb"), "lm loss")) == [1, 2]  # the trials wrote no TensorBoard there
 
 
-def test_autotune_refuses_a_flag_it_chooses(tmp_path):
-    done, _ = _tune(tmp_path, "--tensor-model-parallel-size", "2")
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith("autotune.py: error: --tensor-model-parallel-size")
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--", "--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size: the tuner chooses these"),
+        (["--micro-batch-sizes", "0,-1"], "--micro-batch-sizes 0,-1: each must be >= 1"),
+        (["--nproc-per-node", "0"], "--nproc-per-node 0 must be >= 1"),
+        (["--tp", "0"], "--tp 0 must be >= 1"),
+        (["--zero", "0,4"], "--zero 0,4: choose from 0,1,2,3"),
+        (["--recompute", "none,half"], "--recompute half: choose from none,selective,full"),
+        (["--memory-budget-gib", "0"], "--memory-budget-gib 0.0 must be > 0"),
+    ],
+)
+def test_bad_tuner_input_is_one_line_naming_the_flag(argv, message, tmp_path, capsys):
+    from tools import autotune
+
+    with pytest.raises(SystemExit) as exit_:
+        autotune.main([*argv, "--results", str(tmp_path / "r.jsonl")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert exit_.value.code == 2 and len(err) == 1 and err[0].startswith(f"autotune.py: error: {message}"), err
+    assert not (tmp_path / "r.jsonl").exists()  # refused before anything was explained
+
+
+def test_the_commands_it_prints_run_under_the_python_it_runs_under(tmp_path, monkeypatch):
+    """The repository's ``.venv/bin/torchrun`` (relative: the commands run from the root), else
+    this Python's ``-m torch.distributed.run``; never a bare ``torchrun`` (it may not be on the PATH)."""
+    from tools import autotune
+
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "torchrun").touch()
+    monkeypatch.setattr(autotune, "ROOT", tmp_path)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
+    assert shlex.split(autotune.command("gpt", 2, ["--lr", "1e-3"], ["--micro-batch-size", "4"])) == [
+        ".venv/bin/torchrun", "--standalone", "--nproc_per_node=2", "pretrain_gpt.py", "--lr", "1e-3",
+        "--micro-batch-size", "4"]  # fmt: skip
+    monkeypatch.setattr(sys, "executable", "/opt/python/bin/python3")
+    assert autotune.launcher() == ["/opt/python/bin/python3", "-m", "torch.distributed.run"]
+
+
+def test_the_readme_example_plans_tensor_parallel_points_with_gpt_tp(tmp_path):
+    """Without ``--schedule`` a TP2 point plans (and trains) with the family's own schedule."""
+    from tools import autotune
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--global-batch-size", "8", "--data-cache-path", str(tmp_path / "cache")]  # fmt: skip
+    flags = autotune.flags_of({"tp": 2, "pp": 1, "sp": True, "zero": 0, "mbs": 4, "recompute": "none"})
+    cost = autotune._planner("gpt", [*base, "--train-iters", "2", "--eval-iters", "0"], 2)(flags)  # refused before
+    assert cost.peak > 0 and cost.traffic > 0  # the tensor-parallel all-gathers and reduce-scatters
+    assert autotune.schedule_of("gpt", [*base, *flags]).startswith("gpt_tp, the default for gpt2")

@@ -4,23 +4,20 @@ Each case runs ``pretrain`` in this process: an exception other than the one-lin
 KeyError, a ZeroDivisionError, megatron-core's assertions) fails the test with its traceback.
 """
 
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
 import transformers
 
-from megatron_slapo import parallel
 from megatron_slapo.training.loop import pretrain
 from schedules import auto
 
 GPT = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
 SIZES = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16"]
 TRAIN = ["--micro-batch-size", "2", "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0"]
-
-
-@pytest.fixture(autouse=True)
-def no_process_group_left():
-    """Some refusals come after the (single-process) group starts: leave none to the next tests."""
-    yield
-    parallel.destroy()
 
 
 def one_error_line(task: str, argv: list[str], capsys: pytest.CaptureFixture) -> str:
@@ -159,3 +156,175 @@ def test_albert_recompute_of_some_depths_is_refused(tmp_path, capsys):
         "AlbertForPreTraining runs 1 shared layer(s) at all 2 depths: --recompute-method block / --checkpoint-ratio "
         "needs a module per depth (recompute with --recompute-method uniform or --recompute-granularity selective)"
     )
+
+
+# The bad-input table: what a new user tried, each case one line naming the flag or file, exit
+# status 2, no traceback, and no file that existed before the run changed. A case is
+# (prog, argv built from the fixtures it writes into tmp_path, what the line must say).
+
+
+def _hashes(root: Path) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _gpt2(tmp_path: Path, weights: bool = False, **fields) -> str:
+    """A tiny GPT-2 directory, as save_pretrained writes it (config only, or with weights), with
+    ``fields`` then written into its config.json."""
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, n_positions=32, vocab_size=100,
+                                     bos_token_id=0, eos_token_id=0)  # fmt: skip
+    directory = tmp_path / ("gpt2-weights" if weights else "gpt2")
+    (transformers.GPT2LMHeadModel(config) if weights else config).save_pretrained(directory)
+    if fields:
+        path = directory / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return str(directory)
+
+
+def _llama(tmp_path: Path, **fields) -> str:
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=4, vocab_size=100,
+                                      intermediate_size=32, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    config.save_pretrained(tmp_path / "llama")
+    path = tmp_path / "llama" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+    return str(tmp_path / "llama")
+
+
+def _truncated_weights(tmp_path: Path) -> str:
+    directory = Path(_gpt2(tmp_path, weights=True))
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return str(directory)
+
+
+def _malformed_config(tmp_path: Path) -> str:
+    directory = Path(_gpt2(tmp_path))
+    (directory / "config.json").write_text('{"model_type": "gpt2", "n_head": 2,')
+    return str(directory)
+
+
+def _dataset(tmp_path: Path, *documents: str) -> str:
+    """An indexed dataset of ``documents`` (space-separated token ids), by the project's writer."""
+    from megatron_slapo.data.preprocess import encode_corpus
+    from megatron_slapo.data.tokenizers import NullTokenizer
+
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents))
+    prefixes = encode_corpus(str(tmp_path / "docs.jsonl"), str(tmp_path / "docs"), lambda: NullTokenizer(100), 101,
+                             progress=False)  # fmt: skip
+    return prefixes["text"]
+
+
+def _data(tmp_path: Path, *documents: str) -> list[str]:
+    return ["--data-path", _dataset(tmp_path, *documents), "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+            "--data-cache-path", str(tmp_path / "cache")]  # fmt: skip
+
+
+def _corrupt_vocab(tmp_path: Path) -> list[str]:
+    (tmp_path / "vocab.json").write_text('{"hello": 0,')
+    (tmp_path / "merges.txt").write_text("#version: 0.2\nh e\n")
+    return ["--data-path", _dataset(tmp_path, "1 2 3"), "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+            str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt")]  # fmt: skip
+
+
+def _parent_is_a_file(tmp_path: Path) -> str:
+    (tmp_path / "notes.txt").write_text("not a directory")
+    return str(tmp_path / "notes.txt" / "plan.json")
+
+
+LLAMA = ["--model-type", "llama", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "16"]  # fmt: skip
+BAD_INPUT: dict[str, tuple[str, Callable[[Path], list[str]], str]] = {
+    # every missing required flag in one line, then every contradiction
+    "required flags": ("pretrain_gpt.py", lambda t: ["--mock-data"],
+                       "--micro-batch-size, --train-iters (or --train-samples), --lr and --tokenizer-type are required; "
+                       "--num-layers, --hidden-size, --num-attention-heads and --seq-length are required (or give "
+                       "--hf-config / --load-hf)"),
+    "required flags and conflicts": ("pretrain_gpt.py", lambda t: [*GPT, *SIZES, "--bf16", "--fp16", "--finetune"],
+                                     "--micro-batch-size, --train-iters (or --train-samples) and --lr are required; "
+                                     "--bf16 and --fp16 are mutually exclusive; --finetune needs --load DIR"),
+    "hidden size the heads do not split": ("pretrain_gpt.py", lambda t: [*GPT, *TRAIN, *_replace(SIZES, "--hidden-size",
+                                           "65")], "--hidden-size 65 is not divisible by --num-attention-heads 2"),
+    "query groups that do not divide the heads": ("pretrain_gpt.py", lambda t: [*GPT, *TRAIN, *LLAMA,
+                                                  "--num-query-groups", "3"],
+                                                  "--num-query-groups 3 does not divide --num-attention-heads 4"),
+    "negative seed": ("pretrain_gpt.py", lambda t: [*GPT, *SIZES, *TRAIN, "--seed", "-1"],
+                      "--seed -1 must lie between 0 and 4294967295"),
+    "split not numbers": ("pretrain_gpt.py", lambda t: [*GPT, *SIZES, *TRAIN, "--split", "abc"],
+                          "--split abc must be up to three weights"),
+    "split all zero": ("pretrain_gpt.py", lambda t: [*GPT, *SIZES, *TRAIN, "--split", "0,0,0"],
+                       "--split 0,0,0 gives every split weight 0"),
+    "lr inf": ("pretrain_gpt.py", lambda t: [*GPT, *SIZES, *TRAIN, "--lr", "inf"], "--lr inf must be a finite number"),
+    "lr nan": ("pretrain_gpt.py", lambda t: [*GPT, *SIZES, *TRAIN, "--lr", "nan"], "--lr nan must be a finite number"),
+    "init std nan": ("pretrain_gpt.py", lambda t: [*GPT, *SIZES, *TRAIN, "--init-method-std", "nan"],
+                     "--init-method-std nan must be a finite number"),
+    "documents all empty": ("pretrain_gpt.py", lambda t: [*_data(t, "", ""), *SIZES, *TRAIN],
+                            "its 2 documents are all empty (no tokens)"),
+    "train split of empty documents": ("pretrain_gpt.py", lambda t: [*_data(t, "", "", "1 2 3", "4 5 6"), *SIZES,
+                                       *TRAIN, "--split", "50,50,0"],
+                                       "leaves the train split of {t}/docs_text_document (4 documents) 2 documents "
+                                       "with no tokens"),
+    "hf config with 0 heads": ("pretrain_gpt.py", lambda t: [*GPT, *TRAIN, "--hf-config", _gpt2(t, n_head=0)],
+                               "--hf-config {t}/gpt2: config.json has n_head 0: a model needs at least 1"),
+    "hf config with 3 of 4 key/value heads": ("pretrain_gpt.py", lambda t: [*GPT, *TRAIN, "--hf-config",
+                                              _llama(t, num_key_value_heads=3)],
+                                              "config.json's num_key_value_heads 3 does not divide its "
+                                              "num_attention_heads 4"),
+    "hf config not JSON": ("pretrain_gpt.py", lambda t: [*GPT, *TRAIN, "--hf-config", _malformed_config(t)],
+                           "--hf-config {t}/gpt2: {t}/gpt2/config.json is not valid JSON"),
+    "load-hf without weights": ("pretrain_gpt.py", lambda t: [*GPT, *TRAIN, "--load-hf", _gpt2(t)],
+                                "--load-hf {t}/gpt2 has a config.json but no weights"),
+    "load-hf truncated safetensors": ("pretrain_gpt.py", lambda t: [*GPT, *TRAIN, "--load-hf", _truncated_weights(t)],
+                                      "{t}/gpt2-weights/model.safetensors cannot be read"),
+    "load-hf of another model type": ("pretrain_gpt.py", lambda t: [*GPT, *TRAIN, "--load-hf", _gpt2(t),
+                                      "--model-type", "llama"],
+                                      "--model-type llama contradicts --load-hf {t}/gpt2, which holds a gpt2 model"),
+    "corrupt vocab JSON": ("pretrain_gpt.py", lambda t: [*_corrupt_vocab(t), *SIZES, *TRAIN],
+                           "--vocab-file {t}/vocab.json is not valid JSON"),
+    "MoE family without a default top-k": ("pretrain_gpt.py", lambda t: [*GPT, *SIZES, *TRAIN, "--model-type", "dots1",
+                                           "--num-experts", "4"],
+                                           "--model-type dots1 has no default number of experts per token: give "
+                                           "--moe-router-topk"),
+    "explain: unknown flag": ("explain.py", lambda t: ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+    "explain: huge world": ("explain.py", lambda t: ["--world-size", "1000000"],
+                            "--world-size 1000000 must lie between 1 and 65536"),
+    "explain: --json under a file": ("explain.py", lambda t: ["--json", _parent_is_a_file(t), *GPT, *SIZES, *TRAIN],
+                                     "--json {t}/notes.txt/plan.json: {t}/notes.txt is a file"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_is_one_line_before_any_compute(case, tmp_path, capsys):
+    prog, argv_of, expected = BAD_INPUT[case]
+    argv = argv_of(tmp_path)
+    before = _hashes(tmp_path)
+    capsys.readouterr()  # what writing the fixtures printed
+    with pytest.raises(SystemExit) as exit_:
+        if prog == "explain.py":
+            from tools import explain
+
+            explain.main(argv)
+        else:
+            pretrain(prog.removeprefix("pretrain_").removesuffix(".py"), argv)
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert exit_.value.code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"{prog}: error: ") and "Traceback" not in out
+    assert expected.format(t=tmp_path) in lines[0]
+    after = _hashes(tmp_path)
+    assert {path: after.get(path) for path in before} == before  # nothing that was there changed
+
+
+def test_sharded_weights_are_checked_shard_by_shard(tmp_path):
+    from megatron_slapo.errors import ConfigError
+    from megatron_slapo.training.pretrained import check_weights
+
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=32, vocab_size=100)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path, max_shard_size="10KB")
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "model.safetensors.index.json").is_file()
+    check_weights("--load-hf DIR", str(tmp_path))  # whole: nothing to say
+    shards[1].write_bytes(shards[1].read_bytes()[:100])
+    with pytest.raises(ConfigError, match=f"{shards[1].name} cannot be read .*: truncated or corrupt"):
+        check_weights("--load-hf DIR", str(tmp_path))
+    shards[0].unlink()
+    with pytest.raises(ConfigError, match=f"model.safetensors.index.json names {shards[0].name}, which is missing"):
+        check_weights("--load-hf DIR", str(tmp_path))

@@ -18,13 +18,24 @@ def run(*cmd: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
+UNKNOWN_SCHEDULE = ("pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_fused, "
+                    "gpt_neo_tp, opt_tp, llama_tp, bert_tp, t5_tp, wideresnet_tp, auto")  # fmt: skip
+
+
+def assert_one_line_and_root_cause(proc: subprocess.CompletedProcess, line: str) -> None:
+    """The job printed ``line`` once, and torchrun's summary names it as the root cause."""
+    output = proc.stdout + proc.stderr
+    printed = [text for text in output.splitlines() if text.startswith("pretrain_gpt.py: error:")]
+    assert printed == [line], output[-3000:]
+    root_cause = output.split("Root Cause (first observed failure):")[-1]
+    assert f"traceback : {line}" in root_cause, output[-3000:]
+
+
 def test_one_error_line_under_torchrun_before_anything_starts():
     proc = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "pretrain_gpt.py", "--schedule", "nope")  # fmt: skip
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "pretrain_gpt.py: error:" in line]
     assert proc.returncode != 0
-    assert lines == ["pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_fused, "
-                     "gpt_neo_tp, opt_tp, llama_tp, bert_tp, t5_tp, wideresnet_tp, auto"], proc.stderr[-2000:]  # fmt: skip
+    assert_one_line_and_root_cause(proc, UNKNOWN_SCHEDULE)
 
 
 def test_the_error_line_survives_rank_0_failing_last(tmp_path):
@@ -40,10 +51,8 @@ def test_the_error_line_survives_rank_0_failing_last(tmp_path):
     )
     proc = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(late_rank_0), "--schedule", "nope")  # fmt: skip
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "pretrain_gpt.py: error:" in line]
     assert proc.returncode != 0
-    assert lines == ["pretrain_gpt.py: error: unknown schedule 'nope'; available: default, gpt_tp, gpt_fused, "
-                     "gpt_neo_tp, opt_tp, llama_tp, bert_tp, t5_tp, wideresnet_tp, auto"], proc.stderr[-2000:]  # fmt: skip
+    assert_one_line_and_root_cause(proc, UNKNOWN_SCHEDULE)
 
 
 def test_single_process_error_exit_code_and_no_traceback():

@@ -40,6 +40,9 @@ def test_explain_plans_four_ranks_in_one_process(tmp_path):
         assert r["memory"]["optimizer"] == 2 * r["memory"]["params"]  # fp32 AdamW on megatron-core's DDP
         assert r["comm"]["isend[pp]"] == r["comm"]["irecv[pp]"] == 4 * 2 * 32 * 64 * 4  # b s h fp32, 4 micro-batches
         assert r["comm"]["all_reduce[embd]"] > 0 and r["comm"]["all_reduce[tp]"] > 0
+        # the scalars --log-comm logs too: megatron-core's gradient norm summed over the model-parallel
+        # ranks (fp32), the loss sent from the last stage to the others
+        assert r["comm"]["all_reduce[mp]"] == 4 and r["comm"]["broadcast[pp]"] == 4
         assert r["peak"] == sum(r["memory"].values()) + r["activations"] * r["in_flight"]
 
 

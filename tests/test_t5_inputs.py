@@ -7,9 +7,10 @@ import transformers
 from megatron_slapo.data import embedded
 from megatron_slapo.data.tokenizers import build_tokenizer
 from megatron_slapo.errors import ConfigError
-from megatron_slapo.training.arguments import parse_args, validate_args
+from megatron_slapo.training.arguments import parse_args
 from megatron_slapo.training.model import pipeline_cuts
-from tests.test_bad_input import no_process_group_left, one_error_line  # noqa: F401  (the fixture)
+from megatron_slapo.training.validation import validate_args
+from tests.test_bad_input import one_error_line
 from tools import convert_checkpoint
 
 SIZES = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "32"]

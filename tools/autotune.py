@@ -1,15 +1,17 @@
 """Find the fastest way to train a model on this machine: TP, PP, DP, sequence parallelism, ZeRO
 stage, micro-batch size and recompute, searched with explain's estimates and short real trials.
 
-    python tools/autotune.py --nproc-per-node 2 -- --num-layers 4 --hidden-size 256 \\
+    .venv/bin/python tools/autotune.py --nproc-per-node 2 -- --num-layers 4 --hidden-size 256 \\
         --num-attention-heads 8 --seq-length 256 --global-batch-size 16
-    python tools/autotune.py --nproc-per-node 8 --tp 1,2,4,8 --micro-batch-sizes 1,2,4 \\
+    .venv/bin/python tools/autotune.py --nproc-per-node 8 --tp 1,2,4,8 --micro-batch-sizes 1,2,4 \\
         --memory-budget-gib 70 --results tune.jsonl -- <pretrain_gpt.py flags>
 
 The flags after ``--`` are the trainer's and stay fixed (the model, the data, the global batch);
 the tuner chooses the rest, from the candidates given (every one by default):
 
-- ``tp``: tensor-parallel sizes dividing the ranks and the attention heads;
+- ``tp``: tensor-parallel sizes dividing the ranks and the attention heads (without ``--schedule``
+  each point gets the schedule the trainer gives it: the family's tensor-parallel one, ``gpt_tp``
+  for GPT-2, at TP > 1);
 - ``pp``: pipeline sizes dividing the remaining ranks and the layers;
 - ``sp``: sequence parallelism, where TP > 1;
 - ``zero``: 0 megatron-core's DDP, 1 its distributed optimizer (ZeRO-1), 2 and 3 DeepSpeed's
@@ -22,14 +24,22 @@ training): points over ``--memory-budget-gib`` (default: the GPU's memory, else 
 RAM shared by the ranks; 90% of it) and points dominated by a cheaper one are never run
 (:mod:`megatron_slapo.tuning.search`). The rest run as trials, one ``torchrun`` each
 (:mod:`megatron_slapo.tuning.trial`), whose JSON results go, a line each, to ``--results``
-(default ``autotune-results.jsonl``): run the same command again and it resumes (a result, an
-error included, is not run again: delete its line to retry it). The last lines are the best
-configuration and its ``torchrun`` command.
+(default ``autotune-results.jsonl``), with each point's plan: run the same command again and it
+resumes, explaining and running nothing it did before (a result, an error included, is not run
+again: delete its line to retry it; the plans are made afresh when the code explain runs changed).
+The last lines are the best configuration, its schedule, and its command, to run from the
+repository root as printed: ``.venv/bin/torchrun`` under the repository's environment, else this
+Python's ``-m torch.distributed.run`` (the trials launch the same way).
 """
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a Python without torch re-runs this with the repo's .venv (tools/repo_python.py)
+    import repo_python  # noqa: F401
+
 import argparse
+import hashlib
+import importlib.metadata
 import json
 import os
 import shlex
@@ -48,9 +58,9 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 from megatron_slapo.errors import ConfigError  # noqa: E402
 from megatron_slapo.training import error_report  # noqa: E402
 from megatron_slapo.training.arguments import parse_args  # noqa: E402
+from megatron_slapo.training.settings import resolve_settings  # noqa: E402
 from megatron_slapo.tuning.search import Cost, ring_traffic, search  # noqa: E402
 from megatron_slapo.tuning.space import Point, Space  # noqa: E402
-from tools.explain import explain  # noqa: E402
 
 RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
              "full": ["--recompute-granularity", "full", "--recompute-method", "uniform"]}  # fmt: skip
@@ -63,7 +73,36 @@ CHOSEN = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--s
 
 
 def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+def _switches(text: str) -> list[bool]:
+    if not set(text.split(",")) <= {"on", "off"}:
+        raise argparse.ArgumentTypeError(f"{text!r}: give off, on or off,on")
+    return [v == "on" for v in text.split(",")]
+
+
+def check_candidates(ours: argparse.Namespace) -> None:
+    """ConfigError naming the first of the tuner's own flags whose value is out of range."""
+    least = {"--nproc-per-node": ([ours.nproc_per_node], 1), "--tp": (ours.tp or [], 1), "--pp": (ours.pp or [], 1),
+             "--micro-batch-sizes": (ours.micro_batch_sizes, 1), "--zero": (ours.zero, 0),
+             "--warmup": ([ours.warmup], 0), "--steps": ([ours.steps], 1), "--trial-timeout": ([ours.trial_timeout], 1),
+             "--confirm-rounds": ([ours.confirm_rounds], 0)}  # fmt: skip
+    for flag, (values, minimum) in least.items():
+        if any(v < minimum for v in values):
+            shown = ",".join(map(str, values))
+            raise ConfigError(f"{flag} {shown}: each must be >= {minimum}" if len(values) > 1
+                              else f"{flag} {shown} must be >= {minimum}")  # fmt: skip
+    if any(z not in ZERO for z in ours.zero):
+        raise ConfigError(f"--zero {','.join(map(str, ours.zero))}: choose from {','.join(map(str, ZERO))}")
+    unknown = [r for r in ours.recompute if r not in RECOMPUTE]
+    if unknown:
+        raise ConfigError(f"--recompute {','.join(unknown)}: choose from {','.join(RECOMPUTE)}")
+    if ours.memory_budget_gib is not None and not ours.memory_budget_gib > 0:
+        raise ConfigError(f"--memory-budget-gib {ours.memory_budget_gib} must be > 0")
 
 
 def gpt_space(world: int, layers: int | None, heads: int | None, global_batch: int, ask: argparse.Namespace) -> Space:
@@ -103,6 +142,8 @@ def default_budget(nproc: int) -> int:
 
 def _planner(task: str, base: list[str], world: int):
     def plan(flags: list[str]) -> Cost:
+        from tools.explain import explain  # the training stack, seconds to import: a resumed search needs none
+
         estimates = explain(task, [*base, *flags], world)
         return Cost(max(e.peak for e in estimates), max(e.flops for e in estimates),
                     max(ring_traffic(e.comm) for e in estimates))  # fmt: skip
@@ -110,15 +151,41 @@ def _planner(task: str, base: list[str], world: int):
     return plan
 
 
+def plan_version() -> str:
+    """What a point's plan depends on besides the flags: the code explain runs (this repository's
+    package and schedules) and the libraries' versions. A resumed tuner re-explains when it changed."""
+    digest = hashlib.sha256()
+    sources = [*ROOT.glob("megatron_slapo/**/*.py"), *ROOT.glob("schedules/*.py"), ROOT / "tools" / "explain.py"]
+    for path in sorted(sources):
+        digest.update(path.relative_to(ROOT).as_posix().encode() + b"\0" + path.read_bytes())
+    for package in ("torch", "transformers", "megatron-core", "deepspeed"):
+        try:
+            digest.update(f"{package}=={importlib.metadata.version(package)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return digest.hexdigest()[:16]
+
+
+def launcher() -> list[str]:
+    """torchrun as this tuner runs it, written to run from the repository root in any shell: the
+    repository's ``.venv/bin/torchrun`` when this is that environment's Python, else this Python
+    with ``-m torch.distributed.run`` (never a bare ``torchrun``: it may not be on the PATH)."""
+    venv_bin = ROOT / ".venv" / "bin"
+    if Path(sys.executable).parent.resolve() == venv_bin.resolve() and (venv_bin / "torchrun").exists():
+        return [".venv/bin/torchrun"]
+    return [sys.executable, "-m", "torch.distributed.run"]
+
+
 def _runner(task: str, base: list[str], nproc: int, warmup: int, steps: int, timeout: int):
     def run(flags: list[str]) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.json")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                   "-m", "megatron_slapo.tuning.trial", "--out", out, "--task", task, "--warmup", str(warmup),
-                   "--steps", str(steps), "--", *base, *flags, "--tensorboard-dir", os.path.join(tmp, "tb")]  # fmt: skip
+            cmd = [*launcher(), "--standalone", f"--nproc_per_node={nproc}", "-m", "megatron_slapo.tuning.trial",
+                   "--out", out, "--task", task, "--warmup", str(warmup), "--steps", str(steps),
+                   "--", *base, *flags, "--tensorboard-dir", os.path.join(tmp, "tb")]  # fmt: skip
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-            # a session of its own: at the timeout, torchrun and every worker go, not torchrun alone
+            # run from the root (the launcher's path is relative to it); a session of its own: at the
+            # timeout, torchrun and every worker go, not torchrun alone
             trial = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)  # fmt: skip
             try:
@@ -141,7 +208,15 @@ def _runner(task: str, base: list[str], nproc: int, warmup: int, steps: int, tim
 
 
 def command(task: str, nproc: int, base: list[str], flags: list[str]) -> str:
-    return shlex.join(["torchrun", f"--nproc_per_node={nproc}", f"pretrain_{task}.py", *base, *flags])
+    """The training command of a configuration, to run from the repository root as printed."""
+    return shlex.join([*launcher(), "--standalone", f"--nproc_per_node={nproc}", f"pretrain_{task}.py", *base, *flags])
+
+
+def schedule_of(task: str, flags: list[str]) -> str:
+    """The schedule the trainer runs with ``flags``, and why (``--schedule``, or the default for
+    the model type at the point's tensor-parallel size)."""
+    settings, _ = resolve_settings(parse_args(task, flags))
+    return f"{settings.schedule}, {settings.schedule_reason}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -155,7 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nproc-per-node", type=int, default=torch.cuda.device_count() or 2)
     p.add_argument("--tp", type=_ints)
     p.add_argument("--pp", type=_ints)
-    p.add_argument("--sp", type=lambda t: [v == "on" for v in t.split(",")], default=[False, True], help="off,on")
+    p.add_argument("--sp", type=_switches, default=[False, True], help="off,on")
     p.add_argument("--zero", type=_ints, default=[0, 1, 2, 3])
     p.add_argument("--micro-batch-sizes", type=_ints, default=[1, 2, 4, 8])
     p.add_argument("--recompute", type=lambda t: t.split(","), default=list(RECOMPUTE))
@@ -175,11 +250,10 @@ def main(argv: list[str] | None = None) -> None:
         given = [f for f in base if f.split("=")[0] in CHOSEN]
         if given:
             raise ConfigError(f"{', '.join(given)}: the tuner chooses these; give the candidates instead (--help)")
-        unknown = [r for r in ours.recompute if r not in RECOMPUTE]
-        if unknown:
-            raise ConfigError(f"--recompute {','.join(unknown)}: choose from {','.join(RECOMPUTE)}")
+        check_candidates(ours)
         trial = [*base, "--train-iters", str(ours.warmup + ours.steps), "--eval-iters", "0"]
-        args = parse_args(ours.task, trial)  # the model's shape, where the flags (or the embedded run) give it
+        # the model's shape, where the flags (or the embedded run) give it
+        args = parse_args(ours.task, trial, prog="autotune.py")
         space = gpt_space(world, args.num_layers, args.num_attention_heads, args.global_batch_size, ours)
         if not len(space):
             raise ConfigError("the space is empty: no candidate combination divides the ranks, heads, layers and batch")
@@ -190,9 +264,12 @@ def main(argv: list[str] | None = None) -> None:
                          _runner(ours.task, trial, world, ours.warmup, ours.steps, ours.trial_timeout), budget,
                          results=ours.results, exhaustive=ours.exhaustive, confirm=ours.confirm_rounds,
                          setting={"task": ours.task, "nproc": world, "warmup": ours.warmup, "steps": ours.steps,
-                                  "flags": trial})  # fmt: skip
+                                  "flags": trial}, plan_version=plan_version())  # fmt: skip
     total = len(outcome.candidates)
     skipped = ", ".join(f"{n} {why}" for why, n in sorted(outcome.counts.items()))
+    if not ours.exhaustive:
+        print(f"> explained {total} configurations: {total - outcome.plans_kept} now, {outcome.plans_kept} kept in "
+              f"{ours.results}")  # fmt: skip
     print(f"> {outcome.ran + outcome.resumed} trials of {total} configurations ({outcome.ran} run now, "
           f"{outcome.resumed} from {ours.results}); skipped without a run: {skipped or 'none'}. "
           f"An exhaustive search (Slapo's tuner) runs all {total}.")  # fmt: skip
@@ -210,7 +287,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     best = outcome.best
     print(f"> best: {' '.join(f'{k}={v}' for k, v in best.point.items())}: {best.seconds * 1e3:.1f} ms per step, "
-          f"{best.per_second:,.0f} {best.result['unit']}/s (median of {len(best.times)} runs)")  # fmt: skip
+          f"{best.per_second:,.0f} {best.result['unit']}/s (median of {len(best.times)} runs; schedule "
+          f"{schedule_of(ours.task, [*base, *best.flags])})")  # fmt: skip
     print(command(ours.task, world, base, best.flags))
 
 

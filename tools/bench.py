@@ -1,8 +1,8 @@
 """Train-step speed and peak memory of the one-device recipes against plain HF eager, side by side.
 
-    python tools/bench.py --grid cpu [--json out.json] [--plot out.png]
-    python tools/bench.py --grid cpu-llama   # a 4-layer Llama: llama_tp on one device
-    python tools/bench.py --grid gpu ...     # one H100/H200: GPT-2 124M and a ~1B Llama, bf16
+    .venv/bin/python tools/bench.py --grid cpu [--json out.json] [--plot out.png]
+    .venv/bin/python tools/bench.py --grid cpu-llama   # a 4-layer Llama: llama_tp on one device
+    .venv/bin/python tools/bench.py --grid gpu ...     # one H100/H200: GPT-2 124M and a ~1B Llama, bf16
 
 A row is a model config x a recipe x a precision. The recipe (a schedule from ``schedules/``, or
 ``--compile`` on the unscheduled model) and plain HF train the same weights in the same process:
@@ -19,6 +19,9 @@ carries the allocator's running total), measured after the timed steps.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # a Python without torch re-runs this with the repo's .venv (tools/repo_python.py)
+    import repo_python  # noqa: F401
 
 import argparse
 import copy

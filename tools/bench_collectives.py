@@ -2,7 +2,7 @@
 input-gradient all-reduce per column-parallel projection (how the schedules communicated before
 ``ParallelRegionInput``: 4-5 backward all-reduces per layer instead of Megatron's 2).
 
-    torchrun --nproc_per_node 2 tools/bench_collectives.py [--hidden-size 256 --num-layers 4 --seq-length 128 ...]
+    .venv/bin/torchrun --nproc_per_node 2 tools/bench_collectives.py [--hidden-size 256 --num-layers 4 --seq-length 128 ...]
 
 Each measurement is a forward and backward of one micro-batch (fp32, dropout off, the
 vocabulary-parallel loss of predicting each token itself), the median of
@@ -12,6 +12,9 @@ ratio (per-projection / shipped: above 1 is the speed-up) and the all-reduce byt
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # a Python without torch re-runs this with the repo's .venv (tools/repo_python.py)
+    import repo_python  # noqa: F401
 
 import argparse
 import dataclasses

@@ -1,8 +1,8 @@
 """The Slapo paper's benchmark suites, on the ranks at hand: Figure 7 (systems side by side) and
 Figure 9 (the ablation, one optimisation added at a time), GPT-2, tokens per second.
 
-    torchrun --nproc_per_node 2 tools/bench_suites.py --suite fig7 [--json out.json] [--plot out.png]
-    torchrun --nproc_per_node 2 tools/bench_suites.py --suite fig9 [-- --num-layers 8 --hidden-size 512 ...]
+    .venv/bin/torchrun --nproc_per_node 2 tools/bench_suites.py --suite fig7 [--json out.json] [--plot out.png]
+    .venv/bin/torchrun --nproc_per_node 2 tools/bench_suites.py --suite fig9 [-- --num-layers 8 --hidden-size 512 ...]
 
 Every system trains the same GPT-2 size (flags after ``--`` override the small default) with the
 same global batch, in this one ``torchrun`` session, for ``--iters`` steps; a system's step time is
@@ -25,6 +25,9 @@ and head entries), the vocabulary-parallel embedding and head (all of gpt_tp), s
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a Python without torch re-runs this with the repo's .venv (tools/repo_python.py)
+    import repo_python  # noqa: F401
+
 import argparse
 import json
 import os
@@ -46,9 +49,10 @@ from megatron_slapo.compat.torch_internals import foreach_mul_  # noqa: E402
 from megatron_slapo.engines.optimizer import global_norm  # noqa: E402
 from megatron_slapo.plans.kernel_swap import swap_in_kernels  # noqa: E402
 from megatron_slapo.plans.sequence import plan_schedule  # noqa: E402
-from megatron_slapo.training.arguments import parse_args, validate_args  # noqa: E402
+from megatron_slapo.training.arguments import parse_args  # noqa: E402
 from megatron_slapo.training.loop import _language_task, pretrain  # noqa: E402
 from megatron_slapo.training.settings import resolve_settings  # noqa: E402
+from megatron_slapo.training.validation import validate_args  # noqa: E402
 from schedules import SCHEDULES, gpt_tp  # noqa: E402
 from tools.plot import read_scalars  # noqa: E402
 

@@ -12,20 +12,54 @@ From HF (one process per tensor-parallel rank; an iteration-0 checkpoint for ``-
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # a Python without torch re-runs this with the repo's .venv (tools/repo_python.py)
+    import repo_python  # noqa: F401
+
 import argparse
 import json
 import os
 import re
 import sys
 
+import safetensors
 import torch
 import transformers
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.models import MODEL_CLASSES
 from megatron_slapo.parallel.layout import unshard
 from megatron_slapo.parallel.state import Layout
 from megatron_slapo.training import checkpointing
+from megatron_slapo.training.output_paths import check_output_dir
+
+HF_WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+
+
+def check_target(flag: str, path: str) -> None:
+    """Refuse a target that is a file, cannot be written, or already holds a checkpoint or an HF
+    model: the conversion would write over it (or, for a checkpoint, move its latest iteration)."""
+    check_output_dir(flag, path)
+    if os.path.exists(os.path.join(path, checkpointing.LATEST)) or checkpointing.saved_iterations(path):
+        raise ConfigError(f"{flag} {path} already holds a checkpoint ({checkpointing.LATEST}, iter_*): converting "
+                          "into it would replace its latest iteration; give a new directory")  # fmt: skip
+    held = [name for name in ("config.json", *HF_WEIGHTS) if os.path.exists(os.path.join(path, name))]
+    if held:
+        raise ConfigError(f"{flag} {path} already holds an HF model ({', '.join(held)}): give a new directory")
+
+
+def _hf_source(load_hf: str) -> transformers.PretrainedConfig:
+    """The config of the HF directory ``load_hf``, checked to hold the model's weights too."""
+    if not os.path.isfile(os.path.join(load_hf, "config.json")):
+        what = "has no config.json" if os.path.isdir(load_hf) else "is not a directory"
+        raise ConfigError(f"--load-hf {load_hf} {what}: give a directory written by save_pretrained or to-hf")
+    if not any(os.path.isfile(os.path.join(load_hf, name)) for name in HF_WEIGHTS):
+        raise ConfigError(f"--load-hf {load_hf} has a config.json but no weights ({SAFE_WEIGHTS_NAME} or "
+                          f"{WEIGHTS_NAME}): give a directory written by save_pretrained or to-hf")  # fmt: skip
+    try:
+        return transformers.AutoConfig.from_pretrained(load_hf)
+    except (OSError, ValueError) as e:  # malformed JSON, an unknown model_type
+        raise ConfigError(f"--load-hf {load_hf}/config.json cannot be read: {str(e).splitlines()[0]}") from e
 
 
 def read_shards(load_dir: str, iteration: int | None) -> tuple[int, list[dict]]:
@@ -75,6 +109,7 @@ def full_state_dict(states: list[dict]) -> dict[str, torch.Tensor]:
 
 
 def to_hf(args: argparse.Namespace) -> None:
+    check_target("--save-hf", args.save_hf)
     iteration, states = read_shards(args.load, args.iteration)
     meta = states[0]["slapo"]
     config_dict = json.loads(meta["hf_config"])
@@ -123,19 +158,24 @@ def from_hf(args: argparse.Namespace) -> None:
     )
     from schedules import check_fits, get_schedule
 
-    tp = args.tensor_model_parallel_size
-    if not os.path.isfile(os.path.join(args.load_hf, "config.json")):
-        what = "has no config.json" if os.path.isdir(args.load_hf) else "is not a directory"
-        raise ConfigError(f"--load-hf {args.load_hf} {what}: give a directory written by save_pretrained or to-hf")
+    tp, world = args.tensor_model_parallel_size, int(os.environ.get("WORLD_SIZE", "1"))
+    if tp < 1 or world % tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} needs a multiple of {tp} processes, one per rank, and this "
+                          f"is {world}: run it as torchrun --nproc_per_node {max(tp, 1)} tools/convert_checkpoint.py "
+                          "from-hf ...")  # fmt: skip
+    config = _hf_source(args.load_hf)
+    check_target("--save", args.save)
     get_schedule(args.schedule)  # an unknown name is refused before the process groups start
-    config = transformers.AutoConfig.from_pretrained(args.load_hf)
     check_fits(args.schedule, config.model_type)
     parallel.initialize(tensor_parallel=tp)
     families = {**dict.fromkeys(VISION_MODEL_TYPES, "vision"), **dict.fromkeys(BERT_MODEL_TYPES, "bert"),
                 **dict.fromkeys(T5_MODEL_TYPES, "t5")}  # fmt: skip
     task = families.get(config.model_type, "gpt")
     binary_head = not args.bert_no_binary_head and config.model_type != "roberta"  # as pretrain_bert.py decides
-    model = auto_class(task, binary_head).from_pretrained(args.load_hf)
+    try:
+        model = auto_class(task, binary_head).from_pretrained(args.load_hf)
+    except (OSError, ValueError, safetensors.SafetensorError) as e:  # truncated or mismatched weights
+        raise ConfigError(f"--load-hf {args.load_hf}: cannot load its weights: {str(e).splitlines()[0][:300]}") from e
     true_vocab = padded = None  # an image model has no vocabulary
     if task == "vision":
         check_channels(model.config, tp)
@@ -153,6 +193,7 @@ def from_hf(args: argparse.Namespace) -> None:
     run_args = argparse.Namespace(
         task=task, save=args.save, no_save_optim=True, tensor_model_parallel_size=tp,
         true_vocab_size=true_vocab, padded_vocab_size=padded, schedule=args.schedule, load_hf=args.load_hf,
+        num_layers=model.config.num_hidden_layers,  # what a run loading it must build (checkpointing.load)
     )  # fmt: skip
     os.makedirs(args.save, exist_ok=True)
     engine = _WeightsOnly(model)

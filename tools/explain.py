@@ -1,8 +1,8 @@
 """What a training run will do on each rank, printed without training.
 
-    python tools/explain.py --world-size 16 --schedule gpt_tp --tensor-model-parallel-size 8 \\
+    .venv/bin/python tools/explain.py --world-size 16 --schedule gpt_tp --tensor-model-parallel-size 8 \\
         --pipeline-model-parallel-size 2 --num-layers 24 --hidden-size 1024 ...
-    python tools/explain.py --task bert --world-size 2 --schedule bert_tp --tensor-model-parallel-size 2
+    .venv/bin/python tools/explain.py --task bert --world-size 2 --schedule bert_tp --tensor-model-parallel-size 2
 
 Every flag but the three below is ``pretrain_<task>.py``'s, checked as the trainer checks it. One
 process plans each pipeline stage's first rank over a fake process group of ``--world-size`` ranks
@@ -12,13 +12,17 @@ per micro-batch (and how many micro-batches 1F1B holds at once), collective byte
 and group, the pipeline bubble and FLOPs per step.
 
 - ``--task gpt|bert|t5|vision``: which trainer's flags (default gpt).
-- ``--world-size N``: the ranks of the run (default: ``WORLD_SIZE``, else TP x PP).
-- ``--json PATH``: the estimates as JSON too (what ``tools/autotune.py`` reads).
+- ``--world-size N``: the ranks of the run (default: ``WORLD_SIZE``, else TP x PP), at most
+  :data:`MAX_WORLD_SIZE`.
+- ``--json PATH``: the estimates as JSON too (what ``tools/autotune.py`` reads); checked writable
+  before planning.
 """
 
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__":  # a Python without torch re-runs this with the repo's .venv (tools/repo_python.py)
+    import repo_python  # noqa: F401
+
 import dataclasses
 import json
 import os
@@ -29,8 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from megatron_slapo.errors import ConfigError  # noqa: E402
 from megatron_slapo.training import error_report  # noqa: E402
-from megatron_slapo.training.arguments import parse_args  # noqa: E402
+from megatron_slapo.training.arguments import OneLineParser, parse_args  # noqa: E402
 from megatron_slapo.training.estimate import RankEstimate, estimate  # noqa: E402
+from megatron_slapo.training.output_paths import check_output_file  # noqa: E402
+from megatron_slapo.training.validation import validate_args  # noqa: E402
+
+# megatron-core lays out the process groups of every rank, even over the fake backend: a plan takes
+# about a second more per thousand ranks, so from LARGE_WORLD_SIZE on explain says it is at work, and
+# beyond MAX_WORLD_SIZE (minutes) it refuses.
+LARGE_WORLD_SIZE, MAX_WORLD_SIZE = 4096, 65536
 
 
 def _mib(n: float) -> str:
@@ -38,11 +49,11 @@ def _mib(n: float) -> str:
 
 
 def stage_ranks(argv: list[str], task: str, world: int) -> list[int]:
-    """The first rank of each pipeline stage (megatron-core's order: tensor, data, then pipeline)."""
-    args = parse_args(task, argv)
+    """The first rank of each pipeline stage (megatron-core's order: tensor, data, then pipeline),
+    once the flags are checked as the trainer checks them (before any planning)."""
+    args = parse_args(task, argv, prog="explain.py")
+    validate_args(args, world)
     pp = args.pipeline_model_parallel_size
-    if world % pp:
-        raise ConfigError(f"--world-size {world} is not divisible by --pipeline-model-parallel-size {pp}")
     return [p * (world // pp) for p in range(pp)]
 
 
@@ -74,30 +85,39 @@ def report(estimates: list[RankEstimate], world: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(add_help=False)
+    parser = OneLineParser(prog="explain.py", add_help=False)
     parser.add_argument("--task", choices=("gpt", "bert", "t5", "vision"), default="gpt")
     parser.add_argument("--world-size", type=int)
     parser.add_argument("--json")
     parser.add_argument("-h", "--help", action="store_true")
-    ours, rest = parser.parse_known_args(argv)
+    with error_report.user_errors("explain.py"):
+        ours, rest = parser.parse_known_args(argv)
     if ours.help:
         print(__doc__)
         return
     with error_report.user_errors("explain.py"):
+        if ours.json:
+            check_output_file("--json", ours.json)
         if ours.world_size is not None:
             world = ours.world_size
         elif "WORLD_SIZE" in os.environ:
             world = int(os.environ["WORLD_SIZE"])
         else:
-            args = parse_args(ours.task, rest)
+            args = parse_args(ours.task, rest, prog="explain.py")
             world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-        if world < 1:
-            raise ConfigError(f"--world-size must be at least 1, not {world}")
-        estimates = explain(ours.task, rest, world)
+        if not 1 <= world <= MAX_WORLD_SIZE:
+            raise ConfigError(f"--world-size {world} must lie between 1 and {MAX_WORLD_SIZE}: beyond it, laying out "
+                              "every rank's process groups would take minutes")  # fmt: skip
+        ranks = stage_ranks(rest, ours.task, world)
+        if world >= LARGE_WORLD_SIZE:
+            print(f"> laying out the process groups of {world} ranks (megatron-core makes every rank's): this takes "
+                  "a while", flush=True)  # fmt: skip
+        estimates = [estimate(ours.task, rest, world, rank) for rank in ranks]
     print(report(estimates, world))
     if ours.json:
         rows = [{k: v for k, v in dataclasses.asdict(e).items() if k != "schedule"} | {"peak": e.peak}
                 for e in estimates]  # fmt: skip
+        os.makedirs(os.path.dirname(ours.json) or ".", exist_ok=True)
         Path(ours.json).write_text(json.dumps({"world_size": world, "ranks": rows}, indent=1))
 
 

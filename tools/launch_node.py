@@ -1,7 +1,7 @@
 """One torchrun per node of a SLURM job: the node's command, built from SLURM's environment.
 
     srun --ntasks-per-node 1 python tools/launch_node.py --nproc-per-node 8 -- pretrain_gpt.py ARGS...
-    python tools/launch_node.py --dry-run --nproc-per-node 8 -- pretrain_gpt.py ARGS...
+    .venv/bin/python tools/launch_node.py --dry-run --nproc-per-node 8 -- pretrain_gpt.py ARGS...
 
 Each node runs ``torchrun --nnodes N --node_rank R --nproc_per_node G --master_addr A --master_port P``
 with the same entry script and arguments: N and the hosts come from ``SLURM_JOB_NODELIST`` (expanded
@@ -13,6 +13,9 @@ order), A is the first host. The port is ``MASTER_PORT`` if set, else 29500 plus
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # a Python without torch re-runs this with the repo's .venv (tools/repo_python.py)
+    import repo_python  # noqa: F401
 
 import argparse
 import os

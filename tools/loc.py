@@ -1,6 +1,6 @@
 """Lines of schedule code per model, Slapo's Table 4 method, beside Slapo's own numbers.
 
-    python tools/loc.py [--json]
+    .venv/bin/python tools/loc.py [--json]
 
 A schedule's lines are the lines of its module that say how the model runs: every line holding
 code, except the docstrings, comments and blank lines, the imports, the ``MODEL_TYPES`` declaration
@@ -11,6 +11,9 @@ ALBERT) is compared with each.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # a Python without torch re-runs this with the repo's .venv (tools/repo_python.py)
+    import repo_python  # noqa: F401
 
 import argparse
 import ast

@@ -1,6 +1,6 @@
 """Preprocess a JSON-lines corpus into Megatron's indexed dataset (.bin/.idx).
 
-    python tools/preprocess_data.py --input corpus.jsonl --json-keys text --output-prefix my-gpt2 \\
+    .venv/bin/python tools/preprocess_data.py --input corpus.jsonl --json-keys text --output-prefix my-gpt2 \\
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
         --append-eod --workers 2
 
@@ -9,6 +9,9 @@ files ``--data-path my-gpt2_text_document`` reads.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # a Python without torch re-runs this with the repo's .venv (tools/repo_python.py)
+    import repo_python  # noqa: F401
 
 import argparse
 import os

@@ -1,7 +1,7 @@
 """Train a tokenizer on local text for Megatron's tokenizer types.
 
-    python tools/train_tokenizer.py --input corpus.jsonl --type bpe --vocab-size 8192 --output-dir tok/
-    python tools/train_tokenizer.py --input corpus.txt --type wordpiece --vocab-size 8192 --output-dir tok/
+    .venv/bin/python tools/train_tokenizer.py --input corpus.jsonl --type bpe --vocab-size 8192 --output-dir tok/
+    .venv/bin/python tools/train_tokenizer.py --input corpus.txt --type wordpiece --vocab-size 8192 --output-dir tok/
 
 ``bpe`` writes vocab.json + merges.txt (``--tokenizer-type GPT2BPETokenizer``); ``wordpiece``
 writes vocab.txt (``BertWordPieceLowerCase``, or ``BertWordPieceCase`` with --cased). Input is
@@ -9,6 +9,9 @@ JSON lines (``--json-key``, default text) or plain text.
 """
 
 from __future__ import annotations
+
+if __name__ == "__main__":  # a Python without torch re-runs this with the repo's .venv (tools/repo_python.py)
+    import repo_python  # noqa: F401
 
 import argparse
 import json

@@ -20,8 +20,8 @@
 # the safe way to stop a run whose checkpoint takes longer to write (checkpoints are atomic: an
 # interrupted one leaves the previous one as latest).
 #
-# Environment: PYTHON (default python3), CHECKPOINT_DIR, TENSORBOARD_DIR, EXIT_MARGIN_MIN (default 10),
-# MAX_REQUEUES (default 50).
+# Environment: PYTHON (default: the repo's .venv/bin/python, made by tools/setup.sh, else python3),
+# CHECKPOINT_DIR, TENSORBOARD_DIR, EXIT_MARGIN_MIN (default 10), MAX_REQUEUES (default 50).
 
 # The value of the last "--flag VALUE" or "--flag=VALUE" in the arguments (argparse's last one
 # wins), or $2 if there is none.
@@ -80,7 +80,8 @@ run_job() {
     local args=("${ARGS[@]}" --save "$ckpt" --load "$ckpt" --tensorboard-dir "$tb" --exit-signal-handler
                 --exit-duration-in-mins "$exit_minutes" ${extra[@]+"${extra[@]}"})
     ckpt=$(last_value --save "$ckpt" "${args[@]}")  # the trainer's, should the extra arguments give one
-    local launch=("${PYTHON:-python3}" tools/launch_node.py --nproc-per-node "$GPUS_PER_NODE")
+    local python=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
+    local launch=("$python" tools/launch_node.py --nproc-per-node "$GPUS_PER_NODE")
     if ((dry_run)); then
         SLURM_JOB_NODELIST=${SLURM_JOB_NODELIST:-node[1-$NODES]} "${launch[@]}" --dry-run -- "$ENTRY" "${args[@]}"
         return

@@ -1,12 +1,17 @@
-"""torch.distributed internals: c10d's registry of live process groups, the fake backend, and
-its collective functions replaced by wrappers.
+"""torch.distributed internals: c10d's registry of live process groups, the fake backend, its
+collective functions replaced by wrappers or found in a traceback, and torchelastic's error file.
 
 Written against torch 2.13.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import time
+import traceback
 from collections.abc import Callable, Iterable
+from types import TracebackType
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -53,3 +58,28 @@ def unwrap_collectives(originals: dict[str, Callable]) -> None:
         if getattr(dist, op, None) is getattr(c10d, op):
             setattr(dist, op, fn)
         setattr(c10d, op, fn)
+
+
+def collective_in(tb: TracebackType | None) -> str | None:
+    """The innermost public ``torch.distributed`` function (``all_reduce``, ``broadcast``,
+    ``barrier``, ``send``...) on the traceback ``tb``, or ``None`` where the failure surfaced
+    elsewhere (a ``Work.wait()`` called from C++ or from a library). Relies on those functions
+    living in ``distributed_c10d``, behind torch's logging wrappers. torch 2.13."""
+    names = [frame.f_code.co_name for frame, _ in traceback.walk_tb(tb) if frame.f_code.co_filename == c10d.__file__]
+    public = [name for name in names if not name.startswith("_")]
+    return public[-1] if public else None
+
+
+def record_root_cause(message: str) -> None:
+    """Leave ``message`` in torchelastic's error file for this worker (``TORCHELASTIC_ERROR_FILE``,
+    which torchrun sets), so that the launcher's failure summary shows it as this rank's failure
+    instead of "To enable traceback see ...". The layout is the one
+    ``torch.distributed.elastic.multiprocessing.errors.ErrorHandler.record_exception`` writes, less
+    its ``py_callstack`` (which the summary would show in place of the message): torch has no
+    public call that records a message without a traceback. Nothing outside torchelastic. torch 2.13."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    with open(path, "w") as f:
+        json.dump(data, f)

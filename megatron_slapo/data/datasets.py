@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_slapo.data.indexed import check_token_ids, read_index
+from megatron_slapo.data.indexed import IndexSummary, check_token_ids, document_tokens, read_index
 from megatron_slapo.errors import DataError
 
 
@@ -54,27 +54,35 @@ def parse_data_path(data_path: list[str]) -> tuple[list[str], list[float] | None
     return list(prefixes), (list(weights) if weights else None)
 
 
-def check_prefix(prefix: str, vocab_size: int | None = None, vocabulary: str = "tokenizer") -> int:
-    """Check that ``prefix.bin``/``prefix.idx`` exist, agree, and (given ``vocab_size``) hold only
-    token ids below it; return the number of documents."""
+def _checked_index(prefix: str, vocab_size: int | None, vocabulary: str) -> IndexSummary:
     index = read_index(prefix)
     if index.documents == 0:
         raise DataError(f"{prefix} contains no documents")
+    if index.tokens == 0:
+        raise DataError(f"{prefix}: its {index.documents} documents are all empty (no tokens): was the JSON key "
+                        "given to preprocess_data.py --json-keys the one that holds the text?")  # fmt: skip
     if vocab_size is not None:
         check_token_ids(index, vocab_size, vocabulary)
-    return index.documents
+    return index
+
+
+def check_prefix(prefix: str, vocab_size: int | None = None, vocabulary: str = "tokenizer") -> int:
+    """Check that ``prefix.bin``/``prefix.idx`` exist, agree, hold tokens, and (given ``vocab_size``)
+    only token ids below it; return the number of documents."""
+    return _checked_index(prefix, vocab_size, vocabulary).documents
 
 
 def check_splits(
     prefixes: list[str], split: str, sizes: SplitSizes, vocab_size: int | None = None, vocabulary: str = "tokenizer"
 ) -> str:
-    """Check that every split that must yield samples gets documents of every dataset.
+    """Check that every split that must yield samples gets tokens of every dataset.
 
     megatron-core builds every split with a nonzero weight and loops forever on one that holds no
-    documents, even when no samples are wanted from it. Such a split (empty and unused, typically
-    the 1% test split of a small corpus) gets weight 0 in the returned split string; so does an
-    empty test split (the trainer then skips the test evaluation, the only thing that reads it);
-    an empty train or valid split that is needed is an error.
+    tokens (no documents, or only empty ones), even when no samples are wanted from it. Such a
+    split (empty and unused, typically the 1% test split of a small corpus) gets weight 0 in the
+    returned split string; so does an empty test split (the trainer then skips the test
+    evaluation, the only thing that reads it); an empty train or valid split that is needed is an
+    error.
     """
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
@@ -84,17 +92,20 @@ def check_splits(
     vector = parse_and_normalize_split(split)
     matrix = convert_split_vector_to_split_matrix(vector)
     for prefix in prefixes:
-        n_docs = check_prefix(prefix, vocab_size, vocabulary)
+        index = _checked_index(prefix, vocab_size, vocabulary)
+        n_docs = index.documents
         for i, (name, bounds, wanted) in enumerate(
             zip(("train", "valid", "test"), matrix, sizes.as_list(), strict=True)
         ):
-            docs = 0 if bounds is None else round(bounds[1] * n_docs) - round(bounds[0] * n_docs)
-            if docs == 0 and wanted > 0 and name != "test":
+            first, last = (0, 0) if bounds is None else (round(bounds[0] * n_docs), round(bounds[1] * n_docs))
+            empty = document_tokens(index, first, last) == 0
+            if empty and wanted > 0 and name != "test":
+                what = "empty" if first == last else f"{last - first} documents with no tokens"
                 raise DataError(
-                    f"--split {split} leaves the {name} split of {prefix} ({n_docs} documents) empty, but "
+                    f"--split {split} leaves the {name} split of {prefix} ({n_docs} documents) {what}, but "
                     f"{wanted} {name} samples are needed; change --split, or --eval-iters 0 for no evaluation"
                 )
-            if docs == 0 and bounds is not None:
+            if empty and bounds is not None:
                 vector[i] = 0.0
     return ",".join(f"{v:g}" for v in vector)
 

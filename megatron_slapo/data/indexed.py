@@ -87,6 +87,14 @@ def read_index(prefix: str) -> IndexSummary:
     return IndexSummary(prefix, np.dtype(_TOKEN_DTYPES[code]), documents - 1, sequences, tokens)
 
 
+def document_tokens(index: IndexSummary, first: int, last: int) -> int:
+    """The tokens of documents ``first`` to ``last - 1``, as the index (checked by :func:`read_index`) counts them."""
+    data = np.memmap(index.prefix + ".idx", mode="r", dtype=np.uint8)
+    lengths = np.frombuffer(data, np.int32, index.sequences, _FIXED)
+    bounds = np.frombuffer(data, np.int64, index.documents + 1, _FIXED + 12 * index.sequences)
+    return int(lengths[bounds[first] : bounds[last]].sum(dtype=np.int64))
+
+
 def token_id_range(index: IndexSummary) -> tuple[int, int, bool]:
     """(smallest, largest) token id in the ``.bin``, and whether every token was read to find them.
 

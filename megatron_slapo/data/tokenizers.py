@@ -132,16 +132,37 @@ def _require(path: str | None, flag: str, kind: str) -> str:
 
 
 def _read_bpe(vocab_file: str, merge_file: str) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    with open(vocab_file, encoding="utf-8") as f:
-        vocab = json.load(f)
-    with open(merge_file, encoding="utf-8") as f:
-        merges = [tuple(line.split()) for line in f if line.strip() and not line.startswith("#version")]
+    """GPT-2's vocab.json (token -> id) and merges.txt (a pair per line), checked to be so."""
+    try:
+        with open(vocab_file, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--vocab-file {vocab_file} is not valid JSON ({e}): give GPT-2's vocab.json") from e
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise ConfigError(f"--vocab-file {vocab_file} does not map tokens to ids: give GPT-2's vocab.json")
+    try:
+        with open(merge_file, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--merge-file {merge_file} is not UTF-8 text ({e}): give GPT-2's merges.txt") from e
+    merges = []
+    for number, line in enumerate(lines, 1):
+        if line.strip() and not line.startswith("#version"):
+            pair = tuple(line.split())
+            if len(pair) != 2:
+                raise ConfigError(f"--merge-file {merge_file} line {number} is not a pair of tokens: give GPT-2's "
+                                  "merges.txt")  # fmt: skip
+            merges.append(pair)
     return vocab, merges
 
 
 def _read_wordpiece(vocab_file: str) -> dict[str, int]:
-    with open(vocab_file, encoding="utf-8") as f:
-        return {token.rstrip("\n"): i for i, token in enumerate(f)}
+    """BERT's vocab.txt: a token per line, its id the line's number (from 0)."""
+    try:
+        with open(vocab_file, encoding="utf-8") as f:
+            return {token.rstrip("\n"): i for i, token in enumerate(f)}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--vocab-file {vocab_file} is not UTF-8 text ({e}): give BERT's vocab.txt") from e
 
 
 def build_tokenizer(
@@ -183,7 +204,14 @@ def _build(
         return Tokenizer(hf, tokenizer_type, vocab)
     if tokenizer_type == "HuggingFaceTokenizer":
         model = _require(tokenizer_model, "--tokenizer-model", tokenizer_type)
-        return Tokenizer(transformers.AutoTokenizer.from_pretrained(model), tokenizer_type, model)
+        try:
+            hf = transformers.AutoTokenizer.from_pretrained(model)
+        except (OSError, ValueError) as e:  # transformers' "not a tokenizer I can read", whatever the file
+            raise ConfigError(
+                f"--tokenizer-model {model} is not a tokenizer transformers can read ("
+                f"{' '.join(str(e).split())}): give a directory written by save_pretrained"
+            ) from e
+        return Tokenizer(hf, tokenizer_type, model)
     if tokenizer_type == "NullTokenizer":
         if not vocab_size:
             raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size")

@@ -1,24 +1,20 @@
-"""Command-line arguments, with Megatron-LM's names, and their validation.
+"""Command-line arguments, with Megatron-LM's names, and the embedded run's defaults.
 
 Everything a Megatron-LM user passes to ``pretrain_gpt.py`` keeps its name and meaning
 (``--tensor-model-parallel-size``, ``--micro-batch-size``, ``--lr-decay-style``, ``--save`` ...);
 our additions sit beside them (``--schedule``, ``--model-type``, ``--hf-config``, ``--load-hf``,
-``--engine``). :func:`validate_args` turns every contradiction it can see before any compute into
-one :class:`~megatron_slapo.errors.ConfigError`.
+``--engine``). Their validation is ``training/validation.py``'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
-import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 from megatron_slapo.compat.argparse_internals import parser_actions
 from megatron_slapo.errors import ConfigError
-from megatron_slapo.training.trainer_args import check_trainer_args, resolve_training_length
 
 GPT_MODEL_TYPES = ("gpt2", "gpt_neo", "opt", "llama")
 BERT_MODEL_TYPES = ("bert", "roberta", "albert")
@@ -48,21 +44,6 @@ VISION_DEFAULTS = dict(
 _EMBEDDED_MODEL_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "resnet_layers",
                          "width_per_group", "base_channels")  # fmt: skip
 
-# Flags that must be at least this large when given (None means "not given", which later checks handle).
-_MINIMUM = dict(
-    tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=1,
-    micro_batch_size=1, global_batch_size=1, train_iters=1, seq_length=1, max_position_embeddings=1,
-    num_layers=1, hidden_size=1, num_attention_heads=1, num_query_groups=1, ffn_hidden_size=1,
-    num_experts=1, moe_ffn_hidden_size=1, moe_shared_expert_intermediate_size=1, moe_router_topk=1,
-    make_vocab_size_divisible_by=1, lr_decay_iters=1, lr_warmup_iters=0, recompute_num_layers=1,
-    eval_iters=0, log_interval=1, tensorboard_log_interval=1, save_interval=1, exit_interval=1, num_workers=0,
-    max_consecutive_nan_iterations=1, vocab_size=1, lr=0.0, min_lr=0.0, weight_decay=0.0, clip_grad=0.0,
-    adam_eps=0.0, initial_loss_scale=1.0, loss_scale=1.0, init_method_std=0.0, width_per_group=1, base_channels=1,
-    img_h=1, img_w=1, num_channels=1, num_classes=2,
-)  # fmt: skip
-_PROBABILITIES = ("attention_dropout", "hidden_dropout", "adam_beta1", "adam_beta2", "lr_warmup_fraction",
-                  "mask_prob", "short_seq_prob", "checkpoint_ratio")  # fmt: skip
-
 
 def _model(p: argparse.ArgumentParser, model_types: Sequence[str]) -> None:
     g = p.add_argument_group("model")
@@ -74,8 +55,9 @@ def _model(p: argparse.ArgumentParser, model_types: Sequence[str]) -> None:
         g.add_argument("--model-type", choices=model_types, default=model_types[0], help="HF model family")
     g.add_argument("--hf-config", help="HF config name or directory (instead of the size flags)")
     g.add_argument("--load-hf", metavar="DIR", help="start from the pretrained HF weights in DIR")
-    g.add_argument("--schedule", help="schedules/NAME.py to apply; 'list' prints them (default: under TP, auto for a "
-                                      "family it is verified on without a schedule of its own, else default)")  # fmt: skip
+    g.add_argument("--schedule", help="schedules/NAME.py to apply; 'list' prints them (default: under TP, the family's "
+                                      "own tensor-parallel schedule (gpt_tp, llama_tp, bert_tp, t5_tp, ...), else auto "
+                                      "for a family it is verified on, else default)")  # fmt: skip
     g.add_argument("--num-layers", type=int)
     g.add_argument("--hidden-size", type=int)
     g.add_argument("--num-attention-heads", type=int)
@@ -115,7 +97,8 @@ def _vision_model(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model-type", choices=VISION_MODEL_TYPES, default=VISION_MODEL_TYPES[0], help="model family")
     g.add_argument("--hf-config", help="config directory (instead of the size flags)")
     g.add_argument("--load-hf", metavar="DIR", help="start from the pretrained weights in DIR (save_pretrained)")
-    g.add_argument("--schedule", help="schedules/NAME.py to apply; 'list' prints them (default: default)")
+    g.add_argument("--schedule", help="schedules/NAME.py to apply; 'list' prints them "
+                                      "(default: wideresnet_tp under TP, else default)")  # fmt: skip
     g.add_argument("--resnet-layers", type=int, nargs="+", metavar="N",
                    help="bottleneck blocks per stage (WideResNet-50: 3 4 6 3)")  # fmt: skip
     g.add_argument("--width-per-group", type=int, help="bottleneck width per 64 planes (WideResNet-50-2: 128)")
@@ -252,12 +235,18 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load only the model weights; start at iteration 0")
+    g.add_argument("--overwrite-checkpoints", action="store_true",
+                   help="let --save write into a directory holding iterations this run did not load from (a new "
+                        "run, --finetune, or --load elsewhere): those it saves again are replaced, the others stay "
+                        "but are no longer the latest. Without it such a run is refused before it starts")  # fmt: skip
 
 
 def _logging(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=100)
-    g.add_argument("--tensorboard-dir")
+    g.add_argument("--tensorboard-dir", help="where to write TensorBoard events (default: none for a run on "
+                   "--data-path/--mock-data; otherwise runs/<task>-<model type>-<layers>x<hidden>-tp<T>pp<P>dp<D>-"
+                   "<schedule>/<time>, printed at start)")  # fmt: skip
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
     g.add_argument("--log-throughput", action="store_true", help="(always on: the log line shows TFLOP/s and tokens/s)")
     g.add_argument("--log-timers-to-tensorboard", action="store_true")
@@ -273,10 +262,22 @@ def _listed_defaults(defaults: dict) -> str:
                     for k, v in defaults.items())  # fmt: skip
 
 
-def build_parser(task: str) -> argparse.ArgumentParser:
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line, as every other input error is: a
+    :class:`ConfigError` pointing to ``--help`` rather than the usage (dozens of lines), which the
+    caller's ``error_report.user_errors`` prints once for the job (not once per rank) as
+    ``prog: error: message``, the line torchrun's summary then names."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(f"{message} (see {self.prog} --help)")
+
+
+def build_parser(task: str, prog: str | None = None) -> argparse.ArgumentParser:
+    """``pretrain_<task>.py``'s flags (``prog``: the name its errors and help go by, for a tool
+    that takes the trainer's flags)."""
     if task == "vision":
-        p = argparse.ArgumentParser(
-            prog="pretrain_vision.py", allow_abbrev=False,
+        p = OneLineParser(
+            prog=prog or "pretrain_vision.py", allow_abbrev=False,
             description="Train an image classifier (WideResNet) with a megatron_slapo schedule, on a generated "
             "image set (megatron_slapo/data/images.py).",
             epilog="Defaults for every flag not given: " + _listed_defaults(VISION_DEFAULTS)
@@ -285,8 +286,8 @@ def build_parser(task: str) -> argparse.ArgumentParser:
         _vision_model(p)
     else:
         kind = {"bert": "masked LM", "t5": "encoder-decoder (T5, span corruption)", "gpt": "causal LM"}[task]
-        p = argparse.ArgumentParser(
-            prog=f"pretrain_{task}.py",
+        p = OneLineParser(
+            prog=prog or f"pretrain_{task}.py",
             allow_abbrev=False,
             description=f"Pretrain a HuggingFace {kind} with a megatron_slapo schedule.",
             epilog="With neither --data-path nor --mock-data the run trains on the embedded corpus, and these "
@@ -307,9 +308,10 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(task: str, argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse ``argv``; with no data flags, default to the embedded corpus and a small model."""
-    parser = build_parser(task)
+def parse_args(task: str, argv: Sequence[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    """Parse ``argv``; with no data flags, default to the embedded corpus and a small model
+    (``prog``: see :func:`build_parser`)."""
+    parser = build_parser(task, prog)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.task = task
@@ -331,194 +333,4 @@ def parse_args(task: str, argv: Sequence[str] | None = None) -> argparse.Namespa
                 value = args.lr / 10  # follow the user's --lr rather than contradict it
             setattr(args, name, value)
             args.embedded_defaults[name] = value
-        if args.tensorboard_dir is None:
-            run = f"pretrain_{task}" if task == "vision" else f"pretrain_{task}-embedded"
-            args.tensorboard_dir = os.path.join("runs", run, time.strftime("%Y%m%d-%H%M%S"))
     return args
-
-
-def flag(args: argparse.Namespace, name: str) -> str:
-    """``--name value`` as the user would write it, marked when the embedded run chose the value,
-    so that an error never blames the user for a value they did not pass."""
-    text = f"--{name.replace('_', '-')} {getattr(args, name)}"
-    return f"{text} (the embedded run's default)" if name in getattr(args, "embedded_defaults", {}) else text
-
-
-def _check_ranges(args: argparse.Namespace) -> None:
-    """Sizes, counts and rates out of range: one error naming the flag, before anything divides by them."""
-    for name, minimum in _MINIMUM.items():
-        value = getattr(args, name, None)
-        if value is not None and value < minimum:
-            raise ConfigError(f"{flag(args, name)} must be >= {minimum:g}")
-    for name in _PROBABILITIES:
-        value = getattr(args, name, None)
-        if value is not None and not 0.0 <= value <= 1.0:
-            raise ConfigError(f"{flag(args, name)} must lie between 0 and 1")
-
-
-def causal_lm_types() -> set[str]:
-    """The model types transformers has a causal-LM class for."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def encoder_types() -> set[str]:
-    """The model types transformers has a masked-LM class for (encoders, BERT's kind)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
-    return set(MODEL_FOR_MASKED_LM_MAPPING_NAMES)
-
-
-def _validate_language(args: argparse.Namespace) -> None:
-    """The data and sequence flags of pretrain_gpt.py, pretrain_bert.py and pretrain_t5.py."""
-    if args.task == "t5":
-        _validate_t5(args)
-    if args.data_path and args.mock_data:
-        raise ConfigError("give --data-path or --mock-data, not both")
-    if args.embedded_data and (args.tokenizer_type or args.vocab_file or args.merge_file):
-        raise ConfigError("tokenizer flags need --data-path (the embedded corpus brings its own tokenizer)")
-    if not args.embedded_data and args.tokenizer_type is None:
-        raise ConfigError("--tokenizer-type is required with --data-path / --mock-data")
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    if args.seq_length is None and (args.task == "t5" or not (args.hf_config or args.load_hf)):
-        raise ConfigError("--seq-length is required")  # a T5 config has no positions to take it from
-    if args.seq_length and args.max_position_embeddings and args.seq_length > args.max_position_embeddings:
-        raise ConfigError(
-            f"{flag(args, 'seq_length')} exceeds --max-position-embeddings {args.max_position_embeddings}"
-        )
-
-
-def _validate_t5(args: argparse.Namespace) -> None:
-    """pretrain_t5.py: the decoder must hold every masked span, and what it does not do (yet)."""
-    if args.decoder_seq_length is None:
-        raise ConfigError("--decoder-seq-length is required")
-    if args.num_query_groups is not None:
-        raise ConfigError("--num-query-groups: T5's attention has as many key/value heads as heads")
-    if args.seq_length:
-        # [BOS], then per span a sentinel and its tokens: at most 1 + 2 x the masked tokens
-        needed = 1 + 2 * math.ceil(args.mask_prob * args.seq_length)
-        if args.decoder_seq_length < needed:
-            raise ConfigError(f"{flag(args, 'decoder_seq_length')} cannot hold the masked spans of "
-                              f"{flag(args, 'seq_length')} at --mask-prob {args.mask_prob:g}: it needs {needed}")  # fmt: skip
-    if args.sequence_parallel:
-        raise ConfigError("--sequence-parallel: not supported for T5 yet")
-    if args.pipeline_model_parallel_size > 2 or args.num_layers_per_virtual_pipeline_stage:
-        raise ConfigError("T5 is cut between its encoder and its decoder, where one activation crosses: "
-                          "--pipeline-model-parallel-size 2 at most, without virtual stages")  # fmt: skip
-    if args.vocab_extra_ids < 1:
-        raise ConfigError("--vocab-extra-ids must be >= 1: T5 marks each masked span with a sentinel")
-
-
-def _validate_vision(args: argparse.Namespace) -> None:
-    """What pretrain_vision.py does not do (yet): one line each, before anything is built."""
-    if args.sequence_parallel and args.micro_batch_size % args.tensor_model_parallel_size:
-        raise ConfigError(f"--sequence-parallel splits an image model's batch: {flag(args, 'micro_batch_size')} is not "
-                          f"divisible by --tensor-model-parallel-size {args.tensor_model_parallel_size}")  # fmt: skip
-    refused = {
-        "--pipeline-model-parallel-size > 1": args.pipeline_model_parallel_size > 1,
-        # a recomputed block would update its BatchNorms' running statistics a second time
-        "recompute (--recompute-granularity, --checkpoint-ratio)": bool(args.recompute_granularity)
-        or args.checkpoint_ratio is not None,
-    }
-    for what, given in refused.items():
-        if given:
-            raise ConfigError(f"{what}: not supported for image models yet")
-    stages = args.resnet_layers
-    if not (args.load_hf or args.hf_config) and (not 1 <= len(stages) <= 4 or min(stages) < 1):
-        raise ConfigError("--resnet-layers takes one to four block counts (torchvision's stages), each >= 1")
-
-
-def validate_args(args: argparse.Namespace, world_size: int) -> None:
-    """Raise one ConfigError for the first contradiction among the arguments and the world size."""
-    _check_ranges(args)
-    if args.task == "gpt" and args.model_type not in GPT_MODEL_TYPES:
-        if args.model_type in encoder_types():  # HF can run some encoders as decoders; Megatron's GPT is causal
-            raise ConfigError(f"--model-type {args.model_type} is an encoder: pretrain_gpt.py trains decoder-only "
-                              "models (for encoders use pretrain_bert.py)")  # fmt: skip
-        if args.model_type not in causal_lm_types():
-            raise ConfigError(f"unknown --model-type {args.model_type!r}: give one of {', '.join(GPT_MODEL_TYPES)} or "
-                              "a transformers causal-LM model type (e.g. qwen3, mistral)")  # fmt: skip
-    moe = [name for name in MOE_FLAGS if getattr(args, name, None) is not None]
-    if moe and (args.load_hf or args.hf_config or args.model_type in (*GPT_MODEL_TYPES, *BERT_MODEL_TYPES,
-                                                                      *T5_MODEL_TYPES)):  # fmt: skip
-        raise ConfigError(f"--{moe[0].replace('_', '-')} shapes the experts of an MoE --model-type built from the "
-                          "size flags (mixtral, qwen3_moe, ...), not of this model")  # fmt: skip
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size % (tp * pp):
-        raise ConfigError(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
-    if args.engine != "deepspeed" and (args.zero_stage is not None or args.deepspeed_config):
-        raise ConfigError(f"--zero-stage and --deepspeed-config need --engine deepspeed, not {args.engine}")
-    if args.engine != "megatron":
-        if pp > 1 or args.num_layers_per_virtual_pipeline_stage:
-            raise ConfigError(f"pipeline parallelism needs --engine megatron; --engine {args.engine} has none")
-        for name in (
-            "use_distributed_optimizer",
-            "overlap_grad_reduce",
-            "accumulate_allreduce_grads_in_fp32",
-            "grad_reduce_in_bf16",
-        ):
-            if getattr(args, name):
-                raise ConfigError(f"--{name.replace('_', '-')} needs --engine megatron, not {args.engine}")
-    if args.num_layers_per_virtual_pipeline_stage and pp == 1:
-        raise ConfigError("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
-    if args.sequence_parallel:
-        if tp == 1:
-            raise ConfigError("--sequence-parallel splits what tensor parallelism replicates: it needs "
-                              "--tensor-model-parallel-size > 1")  # fmt: skip
-    if args.checkpoint_ratio is not None and args.recompute_granularity:
-        raise ConfigError("--checkpoint-ratio and --recompute-granularity both choose the recomputed layers: give one")
-    if args.recompute_granularity == "full" and args.recompute_method == "uniform" and args.recompute_num_layers != 1:
-        raise ConfigError("--recompute-method uniform recomputes each layer as its own unit here: use "
-                          "--recompute-num-layers 1 (or --recompute-method block to recompute only some layers)")  # fmt: skip
-    dp = world_size // (tp * pp)
-    args.data_parallel_size = dp
-    resolve_training_length(args, dp)  # --train-samples sets --train-iters
-    for name in ("micro_batch_size", "train_iters", "lr"):
-        if getattr(args, name) is None:
-            raise ConfigError(f"--{name.replace('_', '-')} is required")
-    if args.global_batch_size is None:
-        args.global_batch_size = args.micro_batch_size * dp
-    if args.global_batch_size % (args.micro_batch_size * dp):
-        raise ConfigError(
-            f"global batch size ({args.global_batch_size}) is not divisible by micro batch size "
-            f"({args.micro_batch_size}) x data-parallel size ({dp})"
-        )
-    microbatches = args.global_batch_size // (args.micro_batch_size * dp)
-    if args.num_layers_per_virtual_pipeline_stage and microbatches % pp:
-        raise ConfigError(
-            f"the interleaved schedule needs a multiple of --pipeline-model-parallel-size ({pp}) micro-batches "
-            f"per step; global batch size {args.global_batch_size} gives {microbatches}"
-        )
-    if args.min_lr > args.lr:
-        raise ConfigError(f"{flag(args, 'min_lr')} must not exceed {flag(args, 'lr')}")
-    if args.bf16 and args.fp16:
-        raise ConfigError("--bf16 and --fp16 are mutually exclusive")
-    if args.grad_reduce_in_bf16 and not args.bf16:
-        raise ConfigError("--grad-reduce-in-bf16 needs --bf16")
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
-        raise ConfigError("give --lr-warmup-fraction or --lr-warmup-iters, not both")
-    if args.save_interval and not args.save:
-        raise ConfigError("--save-interval needs --save DIR")
-    if args.finetune and not args.load:
-        raise ConfigError("--finetune needs --load DIR")
-    if args.load_hf and args.hf_config:
-        raise ConfigError("--load-hf takes its config from the checkpoint; drop --hf-config")
-    if args.task == "vision":
-        _validate_vision(args)
-    else:
-        _validate_language(args)
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None:
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    if args.lr_decay_style != "constant" and args.lr_warmup_iters >= args.lr_decay_iters:
-        raise ConfigError(
-            f"LR warmup ({args.lr_warmup_iters} iterations) must end before the decay does ({args.lr_decay_iters})"
-        )
-    if args.eval_iters and args.eval_interval < 1:
-        raise ConfigError("--eval-interval must be >= 1 (or --eval-iters 0 for no evaluation)")
-    if args.task == "bert":
-        args.bert_binary_head = args.bert_binary_head and args.model_type != "roberta"  # RoBERTa has no SOP head
-    check_trainer_args(args)

@@ -20,6 +20,13 @@ and only then ``latest_checkpointed_iteration.txt`` replaced (written, fsynced, 
 ``iter_N.old`` removed. A run killed at any point leaves ``latest`` naming a complete checkpoint:
 the one before, or, killed between the two renames of a re-saved iteration, ``iter_N.old``, which
 readers take while ``iter_N`` is missing (:func:`committed_dir`) and the next save puts back.
+
+Nothing is lost: before any compute, :func:`check_save_target` refuses a ``--save`` that cannot be
+written or that holds iterations the run did not load from (it would overwrite them, or move
+``latest`` back past them), unless ``--overwrite-checkpoints``. Each iteration carries the
+checksums of its files, verified on load, and a checkpoint with non-finite values is refused
+(:mod:`~megatron_slapo.training.checkpoint_integrity`). What one rank finds wrong with a
+checkpoint, every rank reports (:mod:`~megatron_slapo.parallel.agreement`).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Any
@@ -37,10 +45,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_slapo.engines.base import Engine
-from megatron_slapo.errors import CheckpointError
+from megatron_slapo.errors import CheckpointError, ConfigError
+from megatron_slapo.parallel.agreement import agreed_errors
 from megatron_slapo.parallel.random import get_rng_tracker
 from megatron_slapo.parallel.state import Layout
+from megatron_slapo.training import checkpoint_integrity as integrity
 from megatron_slapo.training.model import Vocabulary
+from megatron_slapo.training.output_paths import check_output_dir
 
 LATEST = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
@@ -105,9 +116,9 @@ def _restore_interrupted(save_dir: str, iteration: int) -> None:
 
 
 def commit(save_dir: str, iteration: int) -> None:
-    """Rank 0, once every rank has written its files into ``iter_N.tmp``: sync them, make the
-    directory iteration N and point ``latest_checkpointed_iteration.txt`` at it, in the order the
-    module docstring explains."""
+    """Rank 0, once every rank has written its files into ``iter_N.tmp`` (and their checksums):
+    sync them, make the directory iteration N and point ``latest_checkpointed_iteration.txt`` at
+    it, in the order the module docstring explains."""
     final = iteration_dir(save_dir, iteration)
     tmp, old = final + ".tmp", final + ".old"
     _fsync_tree(tmp)  # the engines' own files too (ZeRO, FSDP, distributed optimizer)
@@ -202,7 +213,10 @@ def save(
         os.makedirs(os.path.dirname(path), exist_ok=True)
         _write_file(path, lambda f: torch.save(state, f))
     dist.barrier()
+    shares: list[dict[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, integrity.checksum_share(tmp))  # each rank hashes a share of the files
     if dist.get_rank() == 0:
+        integrity.write_checksums(tmp, {name: digest for share in shares if share for name, digest in share.items()})
         commit(args.save, resume.iteration)
     dist.barrier()
     _print_rank_0(f"  successfully saved checkpoint at iteration {resume.iteration:7d} to {args.save}")
@@ -221,6 +235,38 @@ def latest_iteration(load_dir: str) -> int | str | None:
     if not text.isdigit():
         raise CheckpointError(f"{path} should hold an iteration number or 'release', found {text[:40]!r}")
     return int(text)
+
+
+def saved_iterations(save_dir: str) -> list[int]:
+    """The committed iterations in ``save_dir`` (``iter_N``, or ``iter_N.old`` standing in for a missing ``iter_N``)."""
+    names = os.listdir(save_dir) if os.path.isdir(save_dir) else []
+    found = (re.fullmatch(r"iter_(\d{7})(\.old)?", name) for name in names)
+    return sorted({int(match.group(1)) for match in found if match and os.path.isdir(os.path.join(save_dir, match[0]))})
+
+
+def check_save_target(args: argparse.Namespace, resume_path: str | None) -> None:
+    """Refuse, before any compute, a ``--save`` this run cannot write, or one holding iterations it
+    would overwrite (or leave behind ``latest``) without having loaded them: a run resuming
+    (``--load`` the same directory, no ``--finetune``) continues that history; any other start
+    needs ``--overwrite-checkpoints`` there. ``resume_path``: the file the run will load, if any."""
+    if not args.save:
+        return
+    check_output_dir("--save", args.save)
+    same = bool(args.load) and os.path.realpath(args.load) == os.path.realpath(args.save)
+    if getattr(args, "overwrite_checkpoints", False) or (resume_path and same and not args.finetune):
+        return
+    loaded = latest_iteration(args.load) if resume_path and not args.finetune else 0
+    start = loaded if isinstance(loaded, int) else 0  # a release checkpoint starts at 0
+    later = [n for n in saved_iterations(args.save) if n > start]
+    if not later:
+        return
+    shown = ", ".join(map(str, later)) if len(later) <= 4 else f"{later[0]}, {later[1]}, ... {later[-1]}"
+    how = f"pass --load {args.save}" + (" without --finetune" if same else "")
+    raise ConfigError(
+        f"--save {args.save} already holds iteration(s) {shown}, which this run (starting at iteration {start}) "
+        f"would overwrite or leave behind: to continue that run {how}; otherwise give another --save, or pass "
+        "--overwrite-checkpoints to write over them"
+    )
 
 
 def checkpoint_file(load_dir: str, layout: Layout) -> str | None:
@@ -257,24 +303,26 @@ def reshard_hint(load_dir: str) -> str:
 
 
 def read(path: str, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """Load one checkpoint file safely (weights only)."""
+    """Load one checkpoint file safely (weights only), once its checksum is verified."""
+    integrity.verify_file(path)
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except Exception as e:
         raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e)[:200]}") from e
 
 
-def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str) -> Resume:
-    """Restore what ``save`` wrote (honouring --finetune / --no-load-optim / --no-load-rng)."""
-    state = read(path)
+def _check(state: dict[str, Any], args: argparse.Namespace, layout: Layout, path: str, num_layers: int,
+           load_optimizer: bool) -> None:  # fmt: skip
+    """Refuse a checkpoint file that this run cannot load as asked, before anything is loaded."""
     saved_tp = state.get("slapo", {}).get("tensor_parallel_size")
     if saved_tp not in (None, layout.tp_size):
         raise CheckpointError(f"{path} was saved with tensor-parallel size {saved_tp}, this run uses {layout.tp_size}. "
                               f"{reshard_hint(args.load)}")  # fmt: skip
-    load_optimizer = not (args.finetune or args.no_load_optim)
-    if load_optimizer and "optimizer" not in state and state.get("iteration", 0) > 0 and dist.get_rank() == 0:
-        print(f" > WARNING: {path} has no optimizer state (saved with --no-save-optim): the optimizer and the LR "
-              "schedule start afresh", flush=True)  # fmt: skip
+    integrity.check_finite(state, path, with_optimizer=load_optimizer)
+    saved_layers = json.loads(state["args"]).get("num_layers") if isinstance(state.get("args"), str) else None
+    if saved_layers not in (None, num_layers):
+        raise CheckpointError(f"{path} holds a model of {saved_layers} layers, this run builds {num_layers}: give "
+                              f"--num-layers {saved_layers}, or another --load")  # fmt: skip
     other_layout = os.path.basename(os.path.dirname(path)) != layout.rank_dir()  # saved without PP
     if load_optimizer and "optimizer" in state and other_layout:
         raise CheckpointError(
@@ -287,21 +335,50 @@ def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str) ->
             f"{path} was written by --engine {saved_engine}, whose optimizer state --engine {args.engine} cannot "
             "read; pass --no-load-optim (or --finetune) to load only the weights"
         )
-    try:
-        engine.load_state_dict(state, os.path.dirname(os.path.dirname(path)), load_optimizer=load_optimizer)
-    except RuntimeError as e:  # shape or key mismatch
-        raise CheckpointError(f"{path} does not fit this model: {str(e)[:300]}") from e
+    if args.finetune or state.get("iteration", 0) == 0 or other_layout or args.no_load_rng:
+        return  # no RNG state to restore
+    if "rng_state" not in state:
+        raise CheckpointError(f"{path} holds no RNG state (saved with --no-save-rng); pass --no-load-rng "
+                              "(or --finetune) to resume without it")  # fmt: skip
+    if layout.dp_rank >= len(state["rng_state"]):
+        raise CheckpointError(f"{path} holds RNG states for {len(state['rng_state'])} data-parallel ranks; pass "
+                              "--no-load-rng")  # fmt: skip
+
+
+def read_checked(args: argparse.Namespace, layout: Layout, path: str | None, num_layers: int) -> dict[str, Any] | None:
+    """This rank's checkpoint file ``path`` (None: nothing to read), verified against its checksums
+    and checked to fit this run (``num_layers``: its model depth) and its flags, before anything is
+    built; the iteration's other files (the engines') are verified too, shared out among the ranks.
+    Collective: every rank calls it, and a problem any rank finds is raised on every rank."""
+    with agreed_errors(CheckpointError):
+        if path is None:
+            return None
+        state = read(path)
+        root = os.path.dirname(os.path.dirname(path))
+        own = {os.path.join(d, FILENAME) for d in os.listdir(root) if d.startswith("mp_rank_")}
+        integrity.verify_share(root, skip=own)  # each rank verifies the mp_rank file it reads
+        _check(state, args, layout, path, num_layers, load_optimizer=not (args.finetune or args.no_load_optim))
+        return state
+
+
+def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str, state: dict[str, Any]) -> Resume:
+    """Restore ``state``, this rank's checkpoint file ``path`` as :func:`read_checked` returned it,
+    into ``engine`` (honouring --finetune / --no-load-optim / --no-load-rng). Collective: every rank
+    calls it; an error the engine raises on any rank is raised on every rank."""
+    load_optimizer = not (args.finetune or args.no_load_optim)
+    if load_optimizer and "optimizer" not in state and state.get("iteration", 0) > 0 and dist.get_rank() == 0:
+        print(f" > WARNING: {path} has no optimizer state (saved with --no-save-optim): the optimizer and the LR "
+              "schedule start afresh", flush=True)  # fmt: skip
+    with agreed_errors(CheckpointError):
+        try:
+            engine.load_state_dict(state, os.path.dirname(os.path.dirname(path)), load_optimizer=load_optimizer)
+        except RuntimeError as e:  # shape or key mismatch
+            raise CheckpointError(f"{path} does not fit this model: {str(e)[:300]}") from e
     if args.finetune or state.get("iteration", 0) == 0:
         return Resume()  # a release or from-hf checkpoint: weights only, training starts at 0
-    if other_layout:  # its RNG states are one stage's: every stage keeps its own seeding instead
+    if os.path.basename(os.path.dirname(path)) != layout.rank_dir():  # saved without PP: one stage's RNG states
         if dist.get_rank() == 0:
             print(f" > WARNING: {path} was saved without pipeline parallelism: RNG states not restored", flush=True)
     elif not args.no_load_rng:
-        if "rng_state" not in state:
-            raise CheckpointError(f"{path} holds no RNG state (saved with --no-save-rng); pass --no-load-rng "
-                                  "(or --finetune) to resume without it")  # fmt: skip
-        states = state["rng_state"]
-        if layout.dp_rank >= len(states):
-            raise CheckpointError(f"{path} holds RNG states for {len(states)} data-parallel ranks; pass --no-load-rng")
-        _set_rng_state(states[layout.dp_rank])
+        _set_rng_state(state["rng_state"][layout.dp_rank])
     return Resume(state["iteration"], state["consumed_train_samples"], state["consumed_valid_samples"])

@@ -1,12 +1,23 @@
-"""One error line under torchrun, and never none.
+"""Every failure as one line, printed once for the job, and named by torchrun as the root cause.
 
-Every rank parses the same arguments and reads the same files, so an input error usually hits all
-ranks, and printing it once (from rank 0) is what a user wants to read. But torchrun stops every
-worker as soon as one exits: a rank that fails before rank 0 does (rank 0 still importing, say)
-and exits at once would cut rank 0 off before it prints, and the user would see only torchrun's
-"exitcode: 2" with no reason. So the other ranks wait, through torchrun's store, for rank 0 to say
-it has reported; if it does not within :data:`RANK_0_WAIT`, the error is this rank's own (a file
-missing on one node) and the rank prints it itself.
+Input errors. Every rank parses the same arguments and reads the same files (and checks that one
+rank makes are agreed across ranks), so an input error usually hits every rank with the same
+message, and printing it once (from rank 0) is what a user wants to read. But torchrun stops every
+worker as soon as one exits: a rank that fails before rank 0 does (rank 0 still importing, say) and
+exits at once would cut rank 0 off before it prints, and the user would see no reason. So the other
+ranks wait, through torchrun's store, for rank 0's line; if it is theirs they stay silent, if it
+differs or does not come within :data:`RANK_0_WAIT` (the error is this rank's own: a file missing on
+one node) they print their own.
+
+A peer's death. When a rank dies (killed, out of memory, a failed node), the others fail in their
+next collective with the backend's "Connection closed by peer" and a long traceback that says
+nothing about why. :func:`lost_peers` turns that into one line per surviving rank naming the
+collective, and exits non-zero, so torchrun still stops the job (or restarts it with
+``--max-restarts``).
+
+The launcher. torchrun ends a failed job with a summary whose "Root Cause" shows the first failed
+rank's torchelastic error file. :func:`root_cause` leaves the one line there (or, for a bug, the
+traceback, as torch's ``@record`` does), instead of "To enable traceback see ...".
 """
 
 from __future__ import annotations
@@ -15,39 +26,56 @@ import contextlib
 import datetime
 import os
 import sys
+import time
 from collections.abc import Iterator
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
-from megatron_slapo.errors import CheckpointError, ConfigError, SchedulingError
+from megatron_slapo.compat.distributed import collective_in, record_root_cause
+from megatron_slapo.errors import ConfigError, SchedulingError
 from megatron_slapo.parallel.state import launcher_store
 
 RANK_0_WAIT = datetime.timedelta(seconds=60)
-_reports = 0  # errors this process has met: rank 0's n-th report answers the others' n-th wait
+# What gloo (and NCCL) say in the collective that was cut off by a peer's death.
+PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "remote process exit")
+# How long a survivor of a peer's death waits, under torchrun, before exiting by itself: torchrun
+# names the first failure it sees (to the second) as the root cause, and the survivor must not race
+# the rank that died. Torchrun stops it much sooner when that rank ran on the same node.
+PEER_LOSS_GRACE = 5.0
+
+_reports = 0  # errors this process has met: rank 0's n-th line answers the others' n-th wait
+_last_line: str | None = None  # the line this process last reported, for the launcher's summary
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
-def report(prog: str, message: str, every_rank: bool = False) -> None:
-    """Print ``{prog}: error: {message}`` to stderr once for the job (from every rank if
-    ``every_rank``: the message differs between ranks); return when it is safe to exit."""
-    global _reports
+def _agent_store() -> dist.Store | None:
+    return launcher_store() if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None
+
+
+def report(prog: str, message: str) -> None:
+    """Print ``{prog}: error: {message}`` to stderr once for the job: rank 0 prints it; another rank
+    prints it only when rank 0 did not report the same line. Return when it is safe to exit."""
+    global _reports, _last_line
     _reports += 1
-    rank, key = _rank(), f"error_reported_{_reports}"
-    store = launcher_store() if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None
-    if rank != 0 and not every_rank:
+    rank, key, line = _rank(), f"error_reported_{_reports}", f"{prog}: error: {message}"
+    _last_line = line
+    store = _agent_store()
+    if rank != 0:
         if store is None:  # not under torchrun: nothing stops rank 0 before it prints
             return
         try:
             store.wait([key], RANK_0_WAIT)
-            return
+            if store.get(key).decode() == line:
+                return
         except dist.DistStoreError:  # rank 0 did not fail: the error is this rank's alone
             pass
-    print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
+    print(line, file=sys.stderr, flush=True)
     if rank == 0 and store is not None:
-        store.set(key, "1")
+        store.set(key, line)
 
 
 @contextlib.contextmanager
@@ -56,5 +84,53 @@ def user_errors(prog: str) -> Iterator[None]:
     try:
         yield
     except (ConfigError, SchedulingError, FileNotFoundError) as e:
-        report(prog, str(e), every_rank=isinstance(e, CheckpointError))
+        report(prog, str(e))
         sys.exit(2)
+
+
+def _peer_loss(error: BaseException) -> str | None:
+    """The backend's words for a peer's death, where ``error`` (or what it was raised from) is one."""
+    while error is not None:
+        if isinstance(error, RuntimeError):  # torch.distributed.DistBackendError is one
+            found = [text for text in PEER_LOSS if text in str(error)]
+            if found:
+                return found[0]
+        error = error.__cause__
+    return None
+
+
+@contextlib.contextmanager
+def lost_peers(prog: str) -> Iterator[None]:
+    """Report a collective cut off by another rank's death as one line naming this rank and the
+    collective, and exit with status 1; any other error passes through."""
+    try:
+        yield
+    except RuntimeError as e:
+        reason = _peer_loss(e)
+        if reason is None:
+            raise
+        op = collective_in(e.__traceback__) or "a collective"
+        line = (f"{prog}: error: rank {_rank()} stopped: another rank died during {op} ({reason}); "
+                "its own output above, or the launcher's summary, says why")  # fmt: skip
+        global _last_line
+        _last_line = line
+        print(line, file=sys.stderr, flush=True)
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT") is not None:
+            time.sleep(PEER_LOSS_GRACE)
+        sys.exit(1)
+
+
+@contextlib.contextmanager
+def root_cause() -> Iterator[None]:
+    """Around an entry point: when the process exits with an error, leave it in torchelastic's
+    error file (a no-op outside torchrun), so that the launcher's summary names it: the line last
+    reported for an exit with a status, the traceback for an exception (as torch's ``@record``)."""
+    try:
+        yield
+    except SystemExit as e:
+        if e.code not in (0, None) and _last_line is not None:
+            record_root_cause(_last_line)
+        raise
+    except Exception as e:
+        get_error_handler().record_exception(e)
+        raise

@@ -16,8 +16,11 @@ cut, backward from the gradients sent back. What the engine adds around the mode
 pass cannot run, is written from the engines' published behaviour: weight, gradient and optimizer
 bytes per engine and ZeRO stage (the ZeRO paper's accounting), the data-parallel gradient and
 weight collectives, the pipeline's point-to-point sends and its tied-embedding all-reduce, and
-1F1B's bubble. Scalar collectives (the loss, the gradient norm) are left out, and so are the
-engines' communication buckets (DeepSpeed's ZeRO-1/2 reduce bucket, say) and allocator slack.
+1F1B's bubble, and the scalar collectives a step logs: megatron-core's gradient norm (summed over its
+gradient-statistics group: ``all_reduce[mp]``, the model-parallel ranks), the metrics averaged over
+the data-parallel ranks and, through a pipeline, sent to every stage. Left out: the other engines'
+norm reductions (a few bytes beside their gradients'), their communication buckets (DeepSpeed's
+ZeRO-1/2 reduce bucket, say) and allocator slack.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 import megatron_slapo as ms
@@ -43,7 +47,7 @@ from megatron_slapo.engines.deepspeed_zero import deepspeed_config, zero_state
 from megatron_slapo.engines.megatron_core import megatron_state
 from megatron_slapo.engines.optimizer import half_precision, megatron_fp32_grads
 from megatron_slapo.models.layers import transformer_layers
-from megatron_slapo.parallel.comm_log import CommLog
+from megatron_slapo.parallel.comm_log import CommLog, group_names
 from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.tracing.meta_fixes import experts_on_meta
 from megatron_slapo.training.loop import Plan, prepare
@@ -86,6 +90,7 @@ class _Meter:
         self._stage = 0
         self._seen: set[int] = set()
         self._log = CommLog()
+        self.metrics = 0  # how many metrics the loss reports (each averaged over the ranks as an fp32)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -133,7 +138,8 @@ def _run_stages(model: PipelineStages, plan: Plan, batch: dict, meter: _Meter) -
         with meter.stage(k):
             values = stage(*inputs, *received[-1])
     with meter.stage(len(model.stages) - 1):
-        loss, _ = plan.task.criterion(values, batch)
+        loss, metrics = plan.task.criterion(values, batch)
+        meter.metrics = len(metrics)
         loss.backward()
     for k in reversed(range(len(sent))):
         pairs = [(out, leaf.grad) for out, leaf in zip(sent[k], received[k], strict=True) if leaf.grad is not None]
@@ -149,7 +155,8 @@ def _meta_pass(plan: Plan, model: torch.nn.Module, batch: dict) -> tuple[_Meter,
         if isinstance(model, PipelineStages):
             return meter, _run_stages(model, plan, batch, meter)
         with meter.stage(0):
-            loss, _ = plan.task.loss(model, batch)
+            loss, metrics = plan.task.loss(model, batch)
+            meter.metrics = len(metrics)
             loss.backward()
     return meter, []
 
@@ -261,6 +268,27 @@ def _data_parallel_comm(args: argparse.Namespace, w: _Weights, dp: int, micro: i
     return comm
 
 
+def _scalar_comm(args: argparse.Namespace, metrics: int, last_stage: bool, pp: int, dp: int) -> Counter[str]:
+    """A step's scalar collectives, fp32 each, keyed as ``--log-comm`` keys them: megatron-core's
+    gradient norm, summed over its gradient-statistics group (the model-parallel ranks, ``[mp]``;
+    every rank of the instance with the distributed optimizer), and the ``metrics`` averaged over the
+    data-parallel ranks (megatron-core's engine: on the last stage, then broadcast to every stage)."""
+    from megatron.core import parallel_state as ps
+
+    comm: Counter[str] = Counter()
+    names = group_names()
+    if args.engine == "megatron":
+        group = (ps.get_intra_distributed_optimizer_instance_group() if args.use_distributed_optimizer
+                 else ps.get_model_parallel_group())  # fmt: skip
+        if dist.get_world_size(group) > 1:
+            comm[f"all_reduce[{names.get(group, 'other')}]"] += 4  # "other": CommLog's name for a group it has none for
+        if pp > 1:
+            comm["broadcast[pp]"] += 4 * metrics
+    if dp > 1 and (last_stage or args.engine != "megatron"):
+        comm["all_reduce[dp]"] += 4 * metrics
+    return comm
+
+
 def _tied_bytes(model: PipelineStages, local: list[int], grad_bytes: int) -> int:
     """The all-reduce that sums the first and the last stage's copies of a tied weight's gradient."""
     ends = {0, len(model.stages) - 1}
@@ -304,6 +332,7 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
         comm.update({key: micro * value for key, value in meter.comm.get(k, {}).items()})
     stage = zero_stage(args, dp)  # reads --deepspeed-config: once
     comm.update(_engine_comm(args, weights, dp, micro, stage))
+    comm.update(_scalar_comm(args, meter.metrics, plan.stages - 1 in local, pp, dp))
     activations = sum(meter.saved[k] for k in local)
     in_flight, bubble = 1, 0.0
     if isinstance(model, PipelineStages):

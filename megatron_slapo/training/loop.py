@@ -31,12 +31,13 @@ from megatron_slapo.engines.base import Engine, ModelShape
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels.compiled import compiler_problem
 from megatron_slapo.models.layers import shared_layers, transformer_layers
+from megatron_slapo.parallel.agreement import agreed_errors
 from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.parallel.state import Layout
 from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.plans import sequence
 from megatron_slapo.training import checkpointing, error_report, recompute
-from megatron_slapo.training.arguments import parse_args, validate_args
+from megatron_slapo.training.arguments import parse_args
 from megatron_slapo.training.checkpointing import Resume
 from megatron_slapo.training.exit_conditions import ExitConditions
 from megatron_slapo.training.flops import device_peak_tflops, flops_per_image, flops_per_token
@@ -54,10 +55,12 @@ from megatron_slapo.training.model import (
     vocab_parameter_names,
     vocabulary,
 )
-from megatron_slapo.training.reporting import Reporter, log_engine_memory
+from megatron_slapo.training.output_paths import check_output_dir
+from megatron_slapo.training.reporting import Reporter, log_engine_memory, tensorboard_dir
 from megatron_slapo.training.settings import RunSettings, resolve_settings
 from megatron_slapo.training.tasks import BERTTask, GPTTask, LanguageData, T5Task, VisionTask
 from megatron_slapo.training.trainer_args import print_arguments
+from megatron_slapo.training.validation import validate_args
 from schedules import check_fits, describe, get_schedule
 
 
@@ -131,6 +134,7 @@ class Plan:
     vocab: Vocabulary | None  # None for an image model
     shape: ModelShape
     recorded: dict[str, Any]  # the arguments as the run uses them: the checkpoint's Megatron ``args``
+    checkpoint: dict[str, Any] | None = None  # this rank's file of resume_path, read and checked
 
 
 def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: int | None = None) -> Plan:
@@ -151,17 +155,28 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     else:
         parallel.simulate(world, simulate_rank, tp, pp, seed=args.seed)
     layout = Layout.current()
+    resume_path = None  # the checkpoint --load resumes from (not looked for when simulating)
+    if simulate_rank is None:  # what the run reads and writes, checked and agreed on by every rank before compute
+        with agreed_errors(ConfigError):
+            if args.tensorboard_dir:
+                check_output_dir("--tensorboard-dir", args.tensorboard_dir)
+            elif args.embedded_data or settings.task == "vision":  # the run names its own folder under runs/
+                check_output_dir("--tensorboard-dir (default: under runs/)", "runs")
+            resume_path = checkpointing.checkpoint_file(args.load, layout) if args.load else None
+            checkpointing.check_save_target(args, resume_path)
     tp_group = parallel.tensor_parallel_group()
     if settings.task == "vision":
         config, task, data = build_vision_config(args, hf_config), VisionTask(), None
     else:
         config, task, data = _language_task(args, settings, hf_config, tp_group)
-    if not settings.schedule_given and settings.hf_source:  # the dump shows the schedule, not that a config chose it
+    if not settings.schedule_given:  # the dump shows the schedule, not that the model type and TP chose it
         print_rank_0(f" > schedule: {settings.schedule} ({settings.schedule_reason})")
     schedule = get_schedule(settings.schedule)
     check_fits(settings.schedule, config.model_type)
+    checkpoint = None  # read and checked before anything is built (a collective: every rank, when --load is given)
+    if args.load and simulate_rank is None:
+        checkpoint = checkpointing.read_checked(args, layout, resume_path, config.num_hidden_layers)
     datasets = task.build_datasets(args, data, _split_sizes(args))
-    resume_path = checkpointing.checkpoint_file(args.load, layout) if args.load and simulate_rank is None else None
     model = create_model(args, settings.task, config)
     if isinstance(task, GPTTask):
         task.attention = attn_implementation(model.config)  # the form of the 4D mask it takes
@@ -212,7 +227,7 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     shape = megatron_shape(config, tp)
     recorded = {**settings.arguments(args), **(data.arguments() if data else {}), **asdict(shape)}
     return Plan(args, settings, task, config, layout, sch, stages, datasets, model_class, metadata_vocab, resume_path,
-                started, data.vocab if data else None, shape, recorded)  # fmt: skip
+                started, data.vocab if data else None, shape, recorded, checkpoint)  # fmt: skip
 
 
 def setup(args: argparse.Namespace) -> Run:
@@ -241,7 +256,7 @@ def setup(args: argparse.Namespace) -> Run:
         print_rank_0(f"> --{dtype} on --engine {args.engine}: {engine.MIXED_PRECISION[dtype]}")
     resume = Resume()
     if resume_path:
-        resume = checkpointing.load(engine, args, layout, resume_path)
+        resume = checkpointing.load(engine, args, layout, resume_path, plan.checkpoint)
         print_rank_0(f" > loaded checkpoint {resume_path} at iteration {resume.iteration}")
     elif args.load:
         print_rank_0(
@@ -254,7 +269,8 @@ def setup(args: argparse.Namespace) -> Run:
     else:
         unit, per_iteration = "tokens", args.global_batch_size * settings.seq_length
         flops = flops_per_token(auto, config, settings.seq_length, getattr(args, "decoder_seq_length", None))
-    reporter = Reporter(args, flops * per_iteration, per_iteration, device_peak_tflops(args.peak_tflops), unit)
+    reporter = Reporter(args, flops * per_iteration, per_iteration, device_peak_tflops(args.peak_tflops), unit,
+                        tensorboard_dir(args, settings, plan.shape, layout))  # fmt: skip
     return Run(args, settings, task, engine, layout, resume, plan.datasets, reporter, metadata, plan.recorded,
                plan.started)  # fmt: skip
 
@@ -384,7 +400,8 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
         if comm:
             comm.take()  # evaluation and checkpoints are not part of the step
         timers("train-step", log_level=0).start()
-        result = run.engine.train_step(micro, run.task)
+        with run.reporter.measure_memory(run.engine, len(micro)):  # the first step's, logged at reporter.step
+            result = run.engine.train_step(micro, run.task)
         timers("train-step").stop()
         if comm:
             result.comm = comm.take()
@@ -423,24 +440,29 @@ def main(task: str) -> None:
     """``pretrain_<task>.py``'s entry point: :func:`pretrain`, then, when it finished, the process
     groups shut down before the interpreter does (left to its exit, gloo's threads can be torn down
     mid-flight and abort a finished run). Not after an error: a rank would wait there for peers
-    that never come, where exiting lets torchrun stop the job."""
-    pretrain(task)
+    that never come, where exiting lets torchrun stop the job. An error's line (or a bug's
+    traceback) goes to torchrun's failure summary as well."""
+    with error_report.root_cause():
+        pretrain(task)
     parallel.destroy()
 
 
 def pretrain(task: str, argv: list[str] | None = None) -> Resume | None:
-    """Entry point of ``pretrain_{task}.py``; returns where training stopped (for tests)."""
+    """Entry point of ``pretrain_{task}.py``; returns where training stopped (for tests). Bad input
+    and a peer rank's death end it with one line (:mod:`~megatron_slapo.training.error_report`)."""
     prog = f"pretrain_{task}.py"
-    args = parse_args(task, argv)
+    with error_report.user_errors(prog):
+        args = parse_args(task, argv)
     if args.schedule == "list":
         print(describe())
         return None
-    with error_report.user_errors(prog):
+    with error_report.user_errors(prog), error_report.lost_peers(prog):
         run = setup(args)
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 
     try:
-        return train(run)
+        with error_report.lost_peers(prog):
+            return train(run)
     except TrainingStopped as e:
         error_report.report(prog, str(e))
         sys.exit(1)

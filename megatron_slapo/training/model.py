@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
 from megatron_slapo.engines.base import ModelShape
@@ -24,6 +25,8 @@ from megatron_slapo.engines.optimizer import half_precision
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels import attention
 from megatron_slapo.models.wideresnet import WideResNetConfig
+from megatron_slapo.training import pretrained
+from megatron_slapo.training.validation import default_model_type
 
 # --model-type -> HF config class (the model class follows from the task, see auto_class)
 CONFIGS = {
@@ -46,9 +49,7 @@ def hf_vocab_size(model_vocab: int, tokenizer_vocab: int, divisible_by: int, ten
 
 
 def _from_flags(args: argparse.Namespace, vocab: int, tokenizer: Any) -> transformers.PretrainedConfig:
-    for name in ("num_layers", "hidden_size", "num_attention_heads"):
-        if getattr(args, name) is None:
-            raise ConfigError(f"--{name.replace('_', '-')} is required (or give --hf-config / --load-hf)")
+    """The config Megatron's size flags describe (validate_args has checked that they are given and fit)."""
     L, h, a, s = args.num_layers, args.hidden_size, args.num_attention_heads, args.max_position_embeddings
     ffn = args.ffn_hidden_size or 4 * h
     hd, ad, std = args.hidden_dropout, args.attention_dropout, args.init_method_std
@@ -154,7 +155,11 @@ def _set_experts(
         raise ConfigError(f"--model-type {config.model_type} is a mixture of experts: give --num-experts (the "
                           f"family's {getattr(config, count)} are sized for its full model)")  # fmt: skip
     family_ffn = getattr(default, "intermediate_size", None)
-    top_k = args.moe_router_topk or min(getattr(config, "num_experts_per_tok", 1), args.num_experts)
+    family_top_k = getattr(config, "num_experts_per_tok", 1)
+    if args.moe_router_topk is None and family_top_k is None:
+        raise ConfigError(f"--model-type {config.model_type} has no default number of experts per token: give "
+                          "--moe-router-topk")  # fmt: skip
+    top_k = args.moe_router_topk or min(family_top_k, args.num_experts)
     if top_k > args.num_experts:
         raise ConfigError(f"--moe-router-topk {top_k} exceeds --num-experts {args.num_experts}")
     setattr(config, count, args.num_experts)
@@ -211,7 +216,11 @@ def build_config(
         config = copy.deepcopy(hf_config)
         config.vocab_size = padded
     else:
-        config = _from_flags(args, padded, tokenizer)
+        try:
+            config = _from_flags(args, padded, tokenizer)
+        except StrictDataclassError as e:  # transformers' own checks of a config's fields
+            raise ConfigError(f"--model-type {args.model_type}: transformers refuses a config of the size flags: "
+                              f"{' '.join(str(e).split())}") from e  # fmt: skip
     check_divisible(config, tp, shared_kv_heads=shared_kv_heads)
     if args.seq_length and args.seq_length > getattr(config, "max_position_embeddings", args.seq_length):
         raise ConfigError(
@@ -264,46 +273,38 @@ def check_channels(config: WideResNetConfig, tp: int) -> None:
 
 def read_hf_config(args: argparse.Namespace) -> transformers.PretrainedConfig | None:
     """The config of ``--load-hf DIR`` or ``--hf-config NAME_OR_DIR``, checked to be a model this
-    task trains; None without either (the size flags shape the model)."""
+    task trains, of the ``--model-type`` given, that can be built, and (``--load-hf``) to come with
+    readable weights (:mod:`~megatron_slapo.training.pretrained`); None without either (the size
+    flags shape the model)."""
     if not (args.load_hf or args.hf_config):
         return None
     flag, source = ("--load-hf", args.load_hf) if args.load_hf else ("--hf-config", args.hf_config)
+    where = f"{flag} {source}"
     if args.load_hf and not os.path.isfile(os.path.join(source, "config.json")):
         what = "has no config.json" if os.path.isdir(source) else "is not a directory"
         raise ConfigError(
-            f"{flag} {source} {what}: give a directory written by save_pretrained (or convert_checkpoint.py to-hf)"
+            f"{where} {what}: give a directory written by save_pretrained (or convert_checkpoint.py to-hf)"
         )
+    if os.path.isdir(source):
+        pretrained.check_config_json(where, source)
     try:
         config = transformers.AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as e:
-        where = (
+        what = (
             "a directory nor a model name that can be fetched" if not os.path.isdir(source) else "a valid HF directory"
         )
-        raise ConfigError(f"{flag} {source} is neither {where} ({type(e).__name__})") from e
-    check_task_fits(config, args.task, f"{flag} {source}")
+        raise ConfigError(f"{where} is neither {what} ({type(e).__name__})") from e
+    except (StrictDataclassError, ArithmeticError, TypeError) as e:  # its fields, as transformers checks them
+        raise ConfigError(f"{where}: transformers refuses its config.json ({type(e).__name__}: "
+                          f"{' '.join(str(e).split())}); fix the config") from e  # fmt: skip
+    pretrained.check_task_fits(config, args.task, where)
+    pretrained.check_shape(config, where)
+    if args.model_type not in (default_model_type(args.task), config.model_type):  # the default yields to the config
+        raise ConfigError(f"--model-type {args.model_type} contradicts {where}, which holds a {config.model_type} "
+                          "model: drop --model-type (the config names the model)")  # fmt: skip
+    if args.load_hf:
+        pretrained.check_weights(where, source)
     return config
-
-
-def check_task_fits(config: transformers.PretrainedConfig, task: str, source: str) -> None:
-    """pretrain_gpt.py trains next-token prediction, pretrain_bert.py masked LM: refuse a model that
-    cannot do it (an encoder for GPT, a decoder for BERT) rather than train the wrong objective."""
-    kind = config.model_type
-    if task == "vision":
-        if type(config) not in transformers.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING:
-            raise ConfigError(f"{source} holds a {kind} model, which is not an image classifier: pretrain_vision.py "
-                              "trains image models such as WideResNet")  # fmt: skip
-    elif task == "t5":
-        if type(config) not in transformers.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING or config.model_type != "t5":
-            raise ConfigError(f"{source} holds a {kind} model: pretrain_t5.py trains T5 (--model-type t5)")
-    elif task == "gpt":
-        causal = type(config) in transformers.MODEL_FOR_CAUSAL_LM_MAPPING and not config.is_encoder_decoder
-        # Encoder families that HF can also run as decoders carry `is_decoder` (False unless set).
-        if not causal or not getattr(config, "is_decoder", True):
-            raise ConfigError(f"{source} holds a {kind} model, which is not a causal LM: pretrain_gpt.py trains "
-                              "decoder-only models (for an encoder such as BERT use pretrain_bert.py)")  # fmt: skip
-    elif type(config) not in transformers.MODEL_FOR_MASKED_LM_MAPPING or getattr(config, "is_decoder", False):
-        raise ConfigError(f"{source} holds a {kind} model, which is not a masked LM: pretrain_bert.py trains "
-                          "encoders such as BERT, RoBERTa, ALBERT (for a causal LM use pretrain_gpt.py)")  # fmt: skip
 
 
 def check_divisible(config: transformers.PretrainedConfig, tp: int, shared_kv_heads: bool = False) -> None:

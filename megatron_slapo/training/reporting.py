@@ -10,25 +10,59 @@ The line keeps Megatron-LM's fields, order and number formats, then adds tokens/
 TensorBoard gets Megatron's tags (``lm loss``, ``lm loss vs samples``, ``learning-rate``,
 ``batch-size``, ``iteration-time``, ``throughput``, ``loss-scale``, ``grad-norm``, ``world-size``,
 ``lm loss validation`` ...) plus torchtitan's ``throughput(tps)``, ``tflops`` and ``mfu(%)``, and with
-``--log-comm`` the bytes of each collective per step (``comm-bytes/all_reduce[tp]`` ...).
+``--log-comm`` the bytes of each collective per step (``comm-bytes/all_reduce[tp]`` ...). Memory is in
+MiB, as ``tools/explain.py`` gives it: after the first step every rank's measured activations per
+micro-batch and peak (``memory/rank0 activations (MiB per micro-batch)``, ``memory/rank0 peak (MiB)``).
+
+A run without ``--tensorboard-dir`` on the embedded corpus or an image model writes to
+``runs/<task>-<model type>-<layers>x<hidden>-tp<T>pp<P>dp<D>-<schedule>/<time>`` (:func:`run_name`);
+a run on its own data writes none unless asked, as Megatron's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+import os
 import resource
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from megatron_slapo.engines.base import StepResult, metrics_to_floats
+from megatron_slapo.engines.base import Engine, ModelShape, StepResult, metrics_to_floats
+from megatron_slapo.parallel.state import Layout
+from megatron_slapo.training.memory import StepMemory, StepMeter
+
+if TYPE_CHECKING:
+    from megatron_slapo.training.settings import RunSettings
+
+MiB = 2**20
 
 
 def _now() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def run_name(settings: RunSettings, shape: ModelShape, layout: Layout, data_parallel: int) -> str:
+    """What ran, as a directory name: ``gpt-gpt2-4x256-tp2pp1dp1-gpt_tp`` (task, model type, layers x
+    hidden size, the tensor x pipeline x data layout, schedule)."""
+    size = f"{shape.num_layers}x{shape.hidden_size}"
+    where = f"tp{layout.tp_size}pp{layout.pp_size}dp{data_parallel}"
+    return "-".join((settings.task, settings.model_type, size, where, settings.schedule))
+
+
+def tensorboard_dir(args: argparse.Namespace, settings: RunSettings, shape: ModelShape, layout: Layout) -> str | None:
+    """``--tensorboard-dir``; else, for a run with no data flags (the embedded corpus, an image
+    model), ``runs/<run_name>/<time>``; else None: a run on its own data writes TensorBoard only
+    where asked, as Megatron's."""
+    if args.tensorboard_dir or not (args.embedded_data or settings.task == "vision"):
+        return args.tensorboard_dir
+    name = run_name(settings, shape, layout, args.data_parallel_size)
+    return os.path.join("runs", name, time.strftime("%Y%m%d-%H%M%S"))
 
 
 def memory_stats() -> dict[str, float]:
@@ -48,7 +82,7 @@ def log_engine_memory(report: dict[str, int], coordinates: tuple[int, int, int])
     dist.all_gather_object(rows, (coordinates, report))
     if dist.get_rank() == 0:
         for rank, ((tp, pp, dp), r) in enumerate(rows):
-            mib = {k: v / 2**20 for k, v in r.items()}
+            mib = {k: v / MiB for k, v in r.items()}
             print(f" > rank {rank} (tensor, pipeline, data) = ({tp}, {pp}, {dp}): parameters {mib['params']:.2f} MiB "
                   f"| gradients {mib['grads']:.2f} MiB | optimizer {mib['optimizer']:.2f} MiB", flush=True)  # fmt: skip
 
@@ -57,17 +91,21 @@ class Reporter:
     """Accumulates a log interval of steps; prints the log line; writes TensorBoard scalars."""
 
     def __init__(self, args: argparse.Namespace, flops_per_iteration: float, per_iteration: int,
-                 peak_tflops: float | None, unit: str = "tokens") -> None:  # fmt: skip
-        """``per_iteration``: the ``unit``s of a step, tokens, or samples for an image model."""
+                 peak_tflops: float | None, unit: str = "tokens", tensorboard: str | None = None) -> None:  # fmt: skip
+        """``per_iteration``: the ``unit``s of a step, tokens, or samples for an image model;
+        ``tensorboard``: the directory to write events to (:func:`tensorboard_dir`), or None."""
         self.args, self.unit = args, unit
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.is_last = (dist.get_rank() if dist.is_initialized() else 0) == self.world - 1
         self.flops, self.per_iteration, self.peak = flops_per_iteration, per_iteration, peak_tflops
         self.writer = None
-        if self.is_last and args.tensorboard_dir:
+        if self.is_last and tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=10)
+            self.writer = SummaryWriter(log_dir=tensorboard, max_queue=10)
+            print(f"> writing TensorBoard events to {tensorboard}", flush=True)
+        self._memory: StepMeter | None = None
+        self._memory_measured = False
         self._reset()
 
     def _reset(self) -> None:
@@ -86,8 +124,37 @@ class Reporter:
         mfu = 100 * tflops / self.peak if self.peak else None
         return tflops, per_second, mfu
 
+    def measure_memory(self, engine: Engine, micro_batches: int) -> contextlib.AbstractContextManager:
+        """Around the first training step: measures its memory (:class:`StepMeter`), which the next
+        :meth:`step` logs; around every later step, nothing."""
+        if self._memory_measured:
+            return contextlib.nullcontext()
+        self._memory_measured = True
+        self._memory = StepMeter(engine.model, engine.memory_report, micro_batches)
+        return self._memory
+
+    def _log_memory(self, iteration: int, measured: StepMemory) -> None:
+        """Every rank's measured activations per micro-batch and peak, in MiB: printed by rank 0 in
+        rank order (beside the engine's report at start), written to TensorBoard by the last rank."""
+        layout = Layout.current()
+        rows: list = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, ((layout.tp_rank, layout.pp_rank, layout.dp_rank), measured))
+        if dist.get_rank() == 0:
+            print(f" > memory measured in iteration {iteration} (peak: {measured.peak_source}):", flush=True)
+            for rank, ((tp, pp, dp), m) in enumerate(rows):
+                print(f" > rank {rank} (tensor, pipeline, data) = ({tp}, {pp}, {dp}): activations "
+                      f"{m.activations / MiB:.2f} MiB per micro-batch | peak {m.peak / MiB:.2f} MiB", flush=True)  # fmt: skip
+        if self.writer:
+            for rank, (_, m) in enumerate(rows):
+                self.writer.add_scalar(f"memory/rank{rank} activations (MiB per micro-batch)", m.activations / MiB,
+                                       iteration)  # fmt: skip
+                self.writer.add_scalar(f"memory/rank{rank} peak (MiB)", m.peak / MiB, iteration)
+
     def step(self, iteration: int, consumed: int, result: StepResult, seconds: float) -> None:
         """Record one iteration; print the line at every ``--log-interval``."""
+        if self._memory is not None and self._memory.result is not None:
+            self._log_memory(iteration, self._memory.result)
+            self._memory = None
         self.steps += 1
         self.seconds += seconds
         self.skipped += int(result.skipped)
@@ -159,8 +226,8 @@ class Reporter:
             f"MFU: {mfu:.1f}%" if mfu is not None else "MFU: n/a (no peak FLOP/s known for a CPU; see --peak-tflops)",
         ]
         if self.comm:
-            per_step = ", ".join(f"{k} {v / max(self.steps, 1) / 1e6:.3f}" for k, v in sorted(self.comm.items()))
-            fields.append(f"comm (MB/step): {per_step}")
+            per_step = ", ".join(f"{k} {v / max(self.steps, 1) / MiB:.3f}" for k, v in sorted(self.comm.items()))
+            fields.append(f"comm (MiB/step): {per_step}")
         self.print(" | ".join(fields) + " |")
 
     def validation(self, iteration: int, consumed: int, metrics: dict[str, float], at_end: bool = False,

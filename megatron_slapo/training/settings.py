@@ -2,7 +2,7 @@
 
 Several flags decide these together, and an HF config may override a flag's default:
 ``--model-type`` gives way to the type of the ``--hf-config`` / ``--load-hf`` model, ``--schedule``
-defaults to the schedule for that type, ``--seq-length`` to the model's positions.
+defaults to the schedule for that type and ``--tensor-model-parallel-size``, ``--seq-length`` to the model's positions.
 :func:`resolve_settings` decides them right after argument validation (``training/loop.py``'s
 ``prepare``); everything after reads the frozen :class:`RunSettings`, and the arguments stay as
 validation left them.
@@ -28,13 +28,17 @@ class RunSettings:
     model_type: str  # the HF model type: --model-type's, or that of the --hf-config / --load-hf model
     hf_source: str | None  # "--load-hf DIR" / "--hf-config NAME" when an HF config gives the model, else None
     schedule: str  # the schedules/ module to apply
-    schedule_given: bool  # named by --schedule; else the default for model_type (schedules.default_for)
+    schedule_given: bool  # named by --schedule; else the default for model_type and TP (schedules.default_for)
     seq_length: int | None  # --seq-length, else the HF config's positions; None for an image model
+    tensor_parallel: int  # --tensor-model-parallel-size, which the default schedule follows
 
     @property
     def schedule_reason(self) -> str:
-        """Why this schedule: ``--schedule`` named it, or it is the default for the model type."""
-        return "--schedule" if self.schedule_given else f"the default for {self.model_type}"
+        """Why this schedule: ``--schedule`` named it, or it is the default for the model type at
+        this tensor-parallel size."""
+        if self.schedule_given:
+            return "--schedule"
+        return f"the default for {self.model_type} at --tensor-model-parallel-size {self.tensor_parallel}"
 
     def arguments(self, args: argparse.Namespace) -> dict[str, Any]:
         """``vars(args)`` with these settings in place of the flags they decide (schedule, model
@@ -56,9 +60,10 @@ def resolve_settings(args: argparse.Namespace) -> tuple[RunSettings, transformer
     if args.load_hf or args.hf_config:
         source = f"--load-hf {args.load_hf}" if args.load_hf else f"--hf-config {args.hf_config}"
     model_type = hf_config.model_type if hf_config is not None else args.model_type
-    schedule = default_for(model_type, args.tensor_model_parallel_size) if args.schedule is None else args.schedule
+    tp = args.tensor_model_parallel_size
+    schedule = default_for(model_type, tp) if args.schedule is None else args.schedule
     seq_length = getattr(args, "seq_length", None)  # image models have none
     if seq_length is None and hf_config is not None and args.task != "vision":
         seq_length = hf_config.max_position_embeddings  # T5 has no positions: validation requires --seq-length
-    settings = RunSettings(args.task, model_type, source, schedule, args.schedule is not None, seq_length)
+    settings = RunSettings(args.task, model_type, source, schedule, args.schedule is not None, seq_length, tp)
     return settings, hf_config

@@ -15,10 +15,10 @@ import os
 from megatron_slapo.engines.optimizer import lr_schedule_samples
 from megatron_slapo.errors import ConfigError
 
-# (flag, smallest allowed value) for this group's flags, checked when given.
-_MINIMUM = (
-    ("train_samples", 1), ("lr_decay_samples", 1), ("lr_warmup_samples", 0), ("distributed_timeout_minutes", 1),
-    ("loss_scale_window", 1), ("hysteresis", 1),
+# The smallest allowed value of this group's flags, checked when given (with the others, by validate_args).
+TRAINER_MINIMUM = dict(
+    train_samples=1, lr_decay_samples=1, lr_warmup_samples=0, distributed_timeout_minutes=1, loss_scale_window=1,
+    hysteresis=1,
 )  # fmt: skip
 
 
@@ -31,12 +31,9 @@ def resolve_training_length(args: argparse.Namespace, data_parallel_size: int) -
 
     Megatron-LM: the two are mutually exclusive; sample-based training takes its LR warmup and decay
     in samples (``--lr-warmup-samples``, ``--lr-decay-samples``), iteration-based training in
-    iterations, and mixing the two is refused. Runs before the iteration-based derivations.
+    iterations, and mixing the two is refused. Runs before the iteration-based derivations, once
+    the flags are known to be in range and ``--micro-batch-size`` given.
     """
-    for dest, minimum in _MINIMUM:
-        value = getattr(args, dest, None)
-        if value is not None and value < minimum:
-            raise ConfigError(f"{_name(dest)} {value} must be >= {minimum}")
     if getattr(args, "train_samples", None) is None:
         if args.lr_decay_samples is not None or args.lr_warmup_samples:
             raise ConfigError("--lr-decay-samples / --lr-warmup-samples need --train-samples "
@@ -54,8 +51,6 @@ def resolve_training_length(args: argparse.Namespace, data_parallel_size: int) -
                           "--lr-decay-samples / --lr-warmup-samples")  # fmt: skip
     if args.lr_warmup_fraction is not None and args.lr_warmup_samples:
         raise ConfigError("give --lr-warmup-fraction or --lr-warmup-samples, not both")
-    if args.micro_batch_size is None:
-        return  # reported by the general check of required flags
     gbs = args.global_batch_size or args.micro_batch_size * data_parallel_size
     if args.train_samples < gbs:
         raise ConfigError(f"--train-samples {args.train_samples} is less than one global batch ({gbs} samples)")

@@ -14,7 +14,8 @@ no training), then:
 3. the rest run, most promising (fewest FLOPs, then least traffic) first, as short real trials.
    Each result is appended to the results file at once, with the ``setting`` it was measured
    under, so a stopped search resumes where it was and re-runs nothing (a result of another
-   setting is not used).
+   setting is not used). Each plan is kept there too, so a resumed search explains nothing again
+   (unless the planner's code changed: ``plan_version``).
 
 The best point is the fastest trial; with ``confirm`` rounds, the trials within ``margin`` of it
 run again in turn and the fastest median wins (two points whose costs tie differ only by noise).
@@ -74,6 +75,7 @@ class Outcome:
     resumed: int  # trial results taken from the results file
     counts: dict[str, int] = field(default_factory=dict)  # why points were skipped -> how many
     ignored: int = 0  # results in the file measured under another setting
+    plans_kept: int = 0  # points whose plan came from the results file (the rest were explained now)
 
 
 def ring_traffic(comm: dict[str, int]) -> float:
@@ -128,10 +130,17 @@ class _Progress:
 
 class _Results:
     """The results file: one JSON line per run (a trial is round 0, a confirmation round 1, 2, ...),
-    written as each run ends, read back on resume: only the lines of the same ``setting``."""
+    written as each run ends, read back on resume: only the lines of the same ``setting``.
 
-    def __init__(self, path: str | None, setting: dict[str, Any]) -> None:
-        self.path, self.setting, self.known, self.ignored = path, setting, {}, 0
+    It keeps each point's plan too (a line with ``plan``), as it is made: explaining every point
+    takes minutes, so a resumed search reads them back, but only those of the same ``setting`` and
+    ``plan_version`` (the planner's code: its figures change with it)."""
+
+    def __init__(self, path: str | None, setting: dict[str, Any], plan_version: str) -> None:
+        self.path, self.setting, self.plan_version = path, setting, plan_version
+        self.known: dict[tuple[str, int], dict] = {}
+        self.plans: dict[str, dict] = {}
+        self.ignored = 0
         if path and os.path.exists(path):
             with open(path) as f:
                 for line in filter(str.strip, f):
@@ -139,10 +148,32 @@ class _Results:
                         row = json.loads(line)
                     except json.JSONDecodeError:  # a line cut short when the tuner was stopped
                         continue
-                    if row.get("setting") == setting:
+                    same = row.get("setting") == setting
+                    if "plan" in row:
+                        if same and row["plan"].get("version") == plan_version:
+                            self.plans[json.dumps(row["flags"])] = row["plan"]
+                    elif same:
                         self.known[(json.dumps(row["flags"]), row.get("round", 0))] = row["result"]
                     else:
                         self.ignored += 1
+
+    def _append(self, row: dict[str, Any]) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    def plan(self, c: Candidate, plan: Callable[[list[str]], Cost]) -> bool:
+        """Set ``c``'s cost, or why it is out, from its kept plan or from ``plan``; whether it was kept."""
+        kept = self.plans.get(json.dumps(c.flags))
+        made = kept is None
+        if made:
+            kept = {"version": self.plan_version, **_planned(c.flags, plan)}
+            self._append({"point": c.point, "flags": c.flags, "setting": self.setting, "plan": kept})
+        if "cost" in kept:
+            c.cost = Cost(*kept["cost"])
+        else:
+            c.reason, c.why = kept["reason"], kept["why"]
+        return not made
 
     def get(self, c: Candidate, round_: int, run: Callable[[list[str]], dict[str, Any]]) -> tuple[dict, bool]:
         """The result of ``c`` in ``round_``, and whether it came from the file."""
@@ -150,11 +181,19 @@ class _Results:
         if key in self.known:
             return self.known[key], True
         result = run(c.flags)
-        if self.path:
-            row = {"point": c.point, "flags": c.flags, "round": round_, "setting": self.setting, "result": result}
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        self._append({"point": c.point, "flags": c.flags, "round": round_, "setting": self.setting, "result": result})
         return result, False
+
+
+def _planned(flags: list[str], plan: Callable[[list[str]], Cost]) -> dict[str, Any]:
+    """``plan(flags)`` as the results file keeps it: the cost, or why the point is out."""
+    try:
+        cost = plan(flags)
+    except ValueError as e:  # the trainer's checks (ConfigError, SchedulingError)
+        return {"reason": "refused", "why": str(e).splitlines()[0]}
+    except Exception as e:  # explain itself tripped: the point is out, with why
+        return {"reason": "not explained", "why": f"{type(e).__name__}: {e}".splitlines()[0]}
+    return {"cost": [cost.peak, cost.flops, cost.traffic]}
 
 
 def _confirm(contenders: list[Candidate], rounds: int, record: _Results, run: Callable, stream: TextIO) -> None:
@@ -180,6 +219,7 @@ def search(
     savers: tuple[str, ...] = ("recompute",),
     results: str | None = None,
     setting: dict[str, Any] | None = None,
+    plan_version: str = "",
     stream: TextIO = sys.stdout,
     exhaustive: bool = False,
     confirm: int = 0,
@@ -191,22 +231,16 @@ def search(
     did (to check the pruned search against). ``confirm``: rounds in which the trials within
     ``margin`` of the fastest run again."""
     candidates = [Candidate(point, flags_of(point)) for point in space]
+    record = _Results(results, setting or {}, plan_version)
+    plans_kept = 0
     for c in candidates if not exhaustive else []:
-        try:
-            c.cost = plan(c.flags)
-        except ValueError as e:  # the trainer's checks (ConfigError, SchedulingError)
-            c.reason, c.why = "refused", str(e).splitlines()[0]
-            continue
-        except Exception as e:  # explain itself tripped: the point is out, with why
-            c.reason, c.why = "not explained", f"{type(e).__name__}: {e}".splitlines()[0]
-            continue
-        if c.cost.peak > budget:
+        plans_kept += record.plan(c, plan)
+        if c.cost is not None and c.cost.peak > budget:
             c.reason, c.why = "over the memory budget", f"{c.cost.peak / 2**20:,.1f} MiB estimated"
     chosen = [c for c in candidates if c.reason is None]
     if not exhaustive:
         _dominate(candidates, savers, set())
         chosen = sorted((c for c in chosen if c.reason is None), key=lambda c: (c.cost.flops, c.cost.traffic))
-    record = _Results(results, setting or {})
     progress = _Progress(len(chosen), stream)
     best: Candidate | None = None
     done: list[Candidate] = []
@@ -236,4 +270,4 @@ def search(
         if c.reason:
             counts[c.reason] = counts.get(c.reason, 0) + 1
     resumed = sum(c.resumed for c in done)
-    return Outcome(candidates, best, len(done) - resumed, resumed, counts, record.ignored)
+    return Outcome(candidates, best, len(done) - resumed, resumed, counts, record.ignored, plans_kept)

@@ -1,7 +1,7 @@
 """One auto-tuner trial, under torchrun: a few real training steps of one configuration, timed,
 and the result written as JSON (``tools/autotune.py`` reads the file, never the log).
 
-    torchrun --nproc_per_node 2 -m megatron_slapo.tuning.trial --out result.json --task gpt \\
+    .venv/bin/torchrun --nproc_per_node 2 -m megatron_slapo.tuning.trial --out result.json --task gpt \\
         --warmup 1 --steps 3 -- <pretrain_gpt.py flags>
 
 The trainer's own :func:`~megatron_slapo.training.loop.setup` builds the run, so a trial is the

@@ -8,23 +8,29 @@ is tested against.
 - held: the bytes of the real tensors of the step, whatever any formula says (:class:`HeldBytes`):
   the engine's weights as stored on this rank, the gradients alive when the optimizer steps, and
   the optimizer's state after the step;
-- activations: the bytes autograd saves for backward during one step, each storage once,
-  parameters excluded, per micro-batch (every tensor saved is kept alive until the step ends, so
-  that no freed storage is reused and counted twice);
-- collectives: ``--log-comm``'s counts (:class:`CommLog`) over the step (the second: the first
-  has one-off work, such as ZeRO-3 recording the order it gathers in);
+- logged: what the trainer itself logs after its first step (``train``'s line ``> rank R (tensor,
+  pipeline, data) = ...: activations A MiB per micro-batch | peak P MiB``, read back from its output):
+  the bytes autograd saves for backward per micro-batch, and the peak (on a CPU: the most saved
+  bytes alive at once plus the weights, gradients and optimizer state);
+- collectives: ``--log-comm``'s counts (:class:`CommLog`) over a step after the trainer's (its
+  first has one-off work, such as ZeRO-3 recording the order it gathers in);
 - FLOPs: ``FlopCounterMode`` over the step (forward, backward and any recomputation).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import re
+
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.training.arguments import parse_args
-from megatron_slapo.training.loop import setup
+from megatron_slapo.training.loop import Run, setup, train
 from megatron_slapo.tuning.trial import step_batches
 
 
@@ -34,13 +40,6 @@ def _parameters(engine) -> list[torch.nn.Parameter]:
     modules += [c for chunks in vars(engine).values() if isinstance(chunks, list)
                 for c in chunks if isinstance(c, torch.nn.Module)]  # fmt: skip
     return list({id(p): p for m in modules for p in m.parameters()}.values())
-
-
-def _address(p: torch.Tensor) -> int | None:
-    try:
-        return p.untyped_storage().data_ptr()
-    except RuntimeError:  # FSDP2: a sharded weight's storage freed between uses
-        return None
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -109,10 +108,34 @@ class HeldBytes:
         return {"params": _bytes(weights), "grads": _bytes(self.grads), "optimizer": _bytes([*state, *masters])}
 
 
+_LOGGED = re.compile(r" > rank (\d+) \(tensor, pipeline, data\) = \(\d+, \d+, \d+\): "
+                     r"activations ([\d.]+) MiB per micro-batch \| peak ([\d.]+) MiB")  # fmt: skip
+
+
+def logged_memory(run: Run) -> dict[str, float]:
+    """Train ``run`` as the trainer does (``--train-iters``) and read back this rank's line of the
+    memory its first step measured (rank 0 prints every rank's): bytes of activations per
+    micro-batch and of the peak, to the log's precision."""
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            train(run)
+    finally:
+        destroy_num_microbatches_calculator()
+    box = [{int(rank): (float(a), float(p)) for rank, a, p in _LOGGED.findall(out.getvalue())}]
+    dist.broadcast_object_list(box, src=0)
+    activations, peak = box[0][dist.get_rank()]
+    return {"activations": activations * 2**20, "peak": peak * 2**20}
+
+
 def measure(task: str, argv: list[str]) -> dict:
-    """One training step of ``pretrain_<task>.py <argv>`` on every rank; this rank's measurements."""
+    """The trainer's logged memory (:func:`logged_memory`), then one more training step of
+    ``pretrain_<task>.py <argv>`` on every rank, measured here; this rank's measurements."""
     run = setup(parse_args(task, argv))
-    kept, saved, gathered = [], {}, [0]
+    logged = logged_memory(run)
+    gathered = [0]
 
     def held_whole() -> list[torch.nn.Parameter]:
         weights = _parameters(run.engine)  # read at each save and use: ZeRO-3 and FSDP gather
@@ -120,26 +143,17 @@ def measure(task: str, argv: list[str]) -> dict:
         gathered[0] = max(gathered[0], whole)
         return weights
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr not in {_address(p) for p in held_whole()}:
-            saved[ptr] = storage.nbytes()
-            kept.append(t)
-        return t
-
-    def unpack(t: torch.Tensor) -> torch.Tensor:
-        held_whole()  # in the backward too: a weight gathered again for it counts
+    def look(t: torch.Tensor) -> torch.Tensor:
+        held_whole()  # whenever autograd saves or uses a tensor: a weight gathered for the backward counts
         return t
 
     with step_batches(run) as next_step:
-        run.engine.train_step(next_step(), run.task)  # a first step: ZeRO-3 records its gathering order in it
         micro = next_step()
         held = HeldBytes(run.engine)
         log = CommLog().install()
         try:
             with (
-                torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+                torch.autograd.graph.saved_tensors_hooks(look, look),
                 FlopCounterMode(display=False) as flops,
             ):
                 run.engine.train_step(micro, run.task)
@@ -149,4 +163,4 @@ def measure(task: str, argv: list[str]) -> dict:
     layout = run.layout
     memory = {**run.engine.memory_report(), "gathered": gathered[0]}
     return {"coordinates": (layout.tp_rank, layout.pp_rank, layout.dp_rank), "memory": memory, "held": held.take(),
-            "activations": sum(saved.values()) / len(micro), "comm": comm, "flops": flops.get_total_flops()}  # fmt: skip
+            "logged": logged, "comm": comm, "flops": flops.get_total_flops()}  # fmt: skip

@@ -270,7 +270,8 @@ def test_zero3_partitions_each_unit_as_it_is_built_with_hf_initialisation():
     import megatron_slapo as ms
     from megatron_slapo import parallel
     from megatron_slapo.engines.deepspeed_zero import DeepSpeedEngine
-    from megatron_slapo.training.arguments import parse_args, validate_args
+    from megatron_slapo.training.arguments import parse_args
+    from megatron_slapo.training.validation import validate_args
     from tests.utils import tiny_gpt2_config
 
     args = parse_args("gpt", [*PARITY, *ZERO, "3", "--mock-data", "--tokenizer-type", "NullTokenizer",

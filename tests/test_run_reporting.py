@@ -1,0 +1,70 @@
+"""What a run reports about itself: its TensorBoard directory named by what ran, and the memory
+of its first step measured as explain estimates it (training/reporting.py, training/memory.py)."""
+
+import re
+
+import torch
+from torch import nn
+
+from megatron_slapo.engines.base import ModelShape
+from megatron_slapo.parallel.state import Layout
+from megatron_slapo.training.arguments import parse_args
+from megatron_slapo.training.memory import StepMeter
+from megatron_slapo.training.reporting import tensorboard_dir
+from megatron_slapo.training.settings import resolve_settings
+from megatron_slapo.training.validation import validate_args
+
+
+def _directory(task: str, flags: list[str], world: int, shape: ModelShape) -> str | None:
+    args = parse_args(task, flags)
+    validate_args(args, world)
+    settings, _ = resolve_settings(args)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    return tensorboard_dir(args, settings, shape, Layout(0, tp, 0, pp, 0, None))
+
+
+def test_a_run_without_tensorboard_dir_is_named_by_what_ran():
+    gpt = _directory("gpt", ["--tensor-model-parallel-size", "2"], 4, ModelShape(4, 256, 4))
+    assert re.fullmatch(r"runs/gpt-gpt2-4x256-tp2pp1dp2-gpt_tp/\d{8}-\d{6}", gpt), gpt
+    flags = ["--model-type", "albert", "--pipeline-model-parallel-size", "1", "--schedule", "default"]
+    bert = _directory("bert", flags, 1, ModelShape(4, 256, 4))
+    assert re.fullmatch(r"runs/bert-albert-4x256-tp1pp1dp1-default/\d{8}-\d{6}", bert), bert
+    vision = _directory("vision", [], 2, ModelShape(8, 640, 1))
+    assert re.fullmatch(r"runs/vision-wideresnet-8x640-tp1pp1dp2-[a-z_]+/\d{8}-\d{6}", vision), vision
+    given = ["--tensor-model-parallel-size", "2", "--tensorboard-dir", "tb/mine"]
+    assert _directory("gpt", given, 2, ModelShape(4, 256, 4)) == "tb/mine"
+    data = ["--mock-data", "--micro-batch-size", "2", "--lr", "1e-3", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "128", "--train-iters", "2", "--num-layers", "2", "--hidden-size", "64",
+            "--num-attention-heads", "4", "--seq-length", "32"]  # fmt: skip
+    assert _directory("gpt", data, 1, ModelShape(2, 64, 4)) is None  # a run on its own data: as Megatron, none
+
+
+def _micro_batches() -> list[torch.Tensor]:
+    return [torch.randn(16, 8, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+
+def _step(model: nn.Module, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    model.zero_grad()
+    for x in batches:
+        model(x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_the_first_steps_memory_is_measured_without_changing_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    batches = _micro_batches()
+    unmeasured = _step(model, batches)
+    state = {"params": 1000, "grads": 100, "optimizer": 10}
+    with StepMeter(model, lambda: state, len(batches)) as meter:
+        measured = _step(model, batches)
+    assert all(torch.equal(a, b) for a, b in zip(unmeasured, measured, strict=True))
+    # per micro-batch, fp32: the first Linear's input (16x8), the ReLU's output, which the second Linear
+    # saves too (16x16, once), the square's input (16x4); no weight (a view of one included)
+    assert meter.result.activations == (16 * 8 + 16 * 16 + 16 * 4) * 4
+    # at most alive at once: the second micro-batch's, and the first's input, which the batch list keeps
+    assert meter.result.peak == (2 * 16 * 8 + 16 * 16 + 16 * 4) * 4 + sum(state.values())
+    assert "parameters + gradients + optimizer" in meter.result.peak_source
+    total = meter.total
+    _step(model, batches)
+    assert meter.total == total  # the hooks went with the step

@@ -1,0 +1,165 @@
+"""Failures under torchrun: one line each, and the launcher's summary names the first one.
+
+The in-process tests check the pieces (the error file torchrun reads, the one line for a peer's
+death, rank 0's line answering the others'); the two slow ones run ``pretrain_gpt.py`` under
+``torchrun --nproc_per_node 2`` as a user does: a bad flag, and a rank killed mid-training.
+"""
+
+import datetime
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from megatron_slapo.compat.distributed import collective_in
+from megatron_slapo.errors import ConfigError
+from megatron_slapo.training import error_report
+
+ROOT = Path(__file__).resolve().parents[1]
+SUMMARY_LINE = "traceback : {}"  # how torchrun's summary shows a failed rank's message
+
+
+@pytest.fixture
+def plain_process(monkeypatch):
+    """A process outside torchrun, whatever launched pytest: rank 0, no agent store, no error file."""
+    for name in ("RANK", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_ERROR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def launcher_summary(error_file: Path, exitcode: int) -> str:
+    """The failure summary torchrun prints for a rank that left ``error_file`` and exited with ``exitcode``."""
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=exitcode, error_file=str(error_file))
+    return ChildFailedError("pretrain_gpt.py", {0: failure}).format_msg()
+
+
+def test_an_input_error_is_the_launchers_root_cause(plain_process, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    with pytest.raises(SystemExit) as exit_info, error_report.root_cause(), error_report.user_errors("prog.py"):
+        raise ConfigError("--micro-batch-size 0 must be >= 1")
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == "prog.py: error: --micro-batch-size 0 must be >= 1\n"
+    summary = launcher_summary(tmp_path / "error.json", 2)
+    assert SUMMARY_LINE.format("prog.py: error: --micro-batch-size 0 must be >= 1") in summary, summary
+    assert "Traceback" not in summary and "To enable traceback" not in summary
+
+
+def test_a_bug_leaves_its_traceback_for_the_launcher(plain_process, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    with pytest.raises(KeyError), error_report.root_cause(), error_report.user_errors("prog.py"):
+        {}["a bug"]  # noqa: B018
+    assert "KeyError: 'a bug'" in launcher_summary(tmp_path / "error.json", 1)
+
+
+def test_a_clean_exit_leaves_no_error_file(plain_process, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "error.json"))
+    with pytest.raises(SystemExit), error_report.root_cause():
+        sys.exit(0)
+    assert not (tmp_path / "error.json").exists()
+
+
+def test_a_peers_death_is_one_line_and_exit_1(plain_process, capsys):
+    with pytest.raises(SystemExit) as exit_info, error_report.lost_peers("prog.py"):
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:6054. GLHF!")
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert err == ("prog.py: error: rank 0 stopped: another rank died during a collective (Connection closed by "
+                   "peer); its own output above, or the launcher's summary, says why\n")  # fmt: skip
+
+
+def test_other_runtime_errors_are_not_taken_for_a_peers_death(plain_process):
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes"), error_report.lost_peers("prog.py"):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+
+def test_the_collective_is_read_from_the_traceback():
+    with pytest.raises(TypeError) as in_torch:
+        dist.all_reduce("not a tensor")  # fails inside torch.distributed's all_reduce, with a group or without
+    assert collective_in(in_torch.tb) == "all_reduce"
+    with pytest.raises(RuntimeError) as elsewhere:
+        raise RuntimeError("elsewhere")
+    assert collective_in(elsewhere.tb) is None
+
+
+@pytest.mark.parametrize("rank_0_line, printed", [("prog.py: error: same", False), ("prog.py: error: other", True)])
+def test_another_rank_prints_only_a_line_rank_0_did_not(rank_0_line, printed, monkeypatch, capsys):
+    """Rank 0's n-th line, left in torchrun's store, answers rank 1's n-th error."""
+    store = dist.HashStore()
+    monkeypatch.setattr(error_report, "_reports", 0)
+    monkeypatch.setattr(error_report, "_agent_store", lambda: store)
+    monkeypatch.setattr(error_report, "_rank", lambda: 1)
+    monkeypatch.setattr(error_report, "RANK_0_WAIT", datetime.timedelta(seconds=5))
+    store.set("error_reported_1", rank_0_line)
+    error_report.report("prog.py", "same")
+    assert capsys.readouterr().err == ("prog.py: error: same\n" if printed else "")
+
+
+def torchrun(*args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "pretrain_gpt.py",
+        *args,
+    ]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+def no_traceback_of_ours(text: str) -> bool:
+    """torchrun's own traceback (its ChildFailedError) is there; none runs through our code."""
+    return re.search(r'File "[^"]*(megatron_slapo|pretrain_gpt\.py)', text) is None and "pair.cc" not in text
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_bad_flag_is_one_line_and_the_root_cause(tmp_path):
+    cmd = torchrun(
+        "--micro-batch-size", "0", "--tensorboard-dir", str(tmp_path / "tb"), "--data-cache-path", str(tmp_path)
+    )
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    lines = [line for line in text.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
+    assert lines == ["pretrain_gpt.py: error: --micro-batch-size 0 must be >= 1"], text[-4000:]  # once, from one rank
+    root_cause = text.split("Root Cause (first observed failure):")[-1]
+    assert SUMMARY_LINE.format(lines[0]) in root_cause, text[-4000:]
+    assert "To enable traceback" not in text and no_traceback_of_ours(text), text[-4000:]
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_killed_rank_is_one_line_on_the_survivor(tmp_path):
+    args = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "1",
+            "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0",
+            "--lr", "1e-3", "--train-iters", "1000000", "--data-cache-path", str(tmp_path)]  # fmt: skip
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(torchrun(*args), cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.time() + 240
+        while "iteration        2/" not in log.read_text() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, log.read_text()[-4000:]
+        (rank_1,) = [p for p in psutil.Process(proc.pid).children() if p.environ().get("RANK") == "1"]
+        rank_1.send_signal(signal.SIGKILL)  # as the kernel's out-of-memory killer would
+        proc.wait(timeout=120)
+    text = log.read_text()
+    assert proc.returncode != 0
+    lines = [line for line in text.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
+    assert len(lines) == 1, text[-4000:]
+    match = re.fullmatch(r"pretrain_gpt\.py: error: rank 0 stopped: another rank died during (\w+) \(Connection "
+                         r"(closed|reset) by peer\); its own output above, or the launcher's summary, says why", lines[0])  # fmt: skip
+    assert match and hasattr(dist, match.group(1)), lines[0]  # names torch.distributed's collective
+    root_cause = text.split("Root Cause (first observed failure):")[-1]
+    assert re.search(r"rank\s*: 1 .*Signal 9 \(SIGKILL\)", root_cause, re.S), text[-3000:]  # not the survivor
+    assert no_traceback_of_ours(text), text[-4000:]
