@@ -257,3 +257,14 @@ def test_from_hf_bad_sources_and_a_missing_launcher(hf_model, tmp_path):
     assert message.startswith("--tensor-model-parallel-size 2 needs a multiple of 2 processes, one per rank, and this "
                               "is 1: run it as torchrun --nproc_per_node 2")  # fmt: skip
     assert not (tmp_path / "out").exists()
+
+
+def test_a_finished_run_loaded_again_trains_nothing_and_writes_nothing(ck, capsys):
+    """--load at or past --train-iters: said in one line, the checkpoint left as it was."""
+    before = tree(ck)
+    argv = [*RUN, "--train-iters", "1", "--load", str(ck), "--save", str(ck), "--save-interval", "1"]
+    assert pretrain("gpt", argv).iteration == 2
+    out = capsys.readouterr().out
+    assert "> nothing to train: the checkpoint is at iteration 2, --train-iters is 1 (raise it to train further)" in out
+    assert "iteration        1/" not in out and "iteration        2/" not in out
+    assert tree(ck) == before

@@ -360,9 +360,13 @@ def train(run: Run) -> Resume:
         valid_loader = data_loader(valid_set, state.consumed_valid_samples, args.micro_batch_size, dp_rank, dp_size,
                                    args.num_workers)  # fmt: skip
         valid_batches = _batches(valid_loader)
-    print_rank_0(
-        f"> training from iteration {state.iteration} to {args.train_iters} ({n_micro} micro-batches per step)"
-    )
+    if state.iteration >= args.train_iters:  # e.g. a finished run loaded again: Megatron trains nothing either
+        print_rank_0(f"> nothing to train: the checkpoint is at iteration {state.iteration}, "
+                     f"--train-iters is {args.train_iters} (raise it to train further)")  # fmt: skip
+    else:
+        print_rank_0(
+            f"> training from iteration {state.iteration} to {args.train_iters} ({n_micro} micro-batches per step)"
+        )
     timers = Timers(log_level=0, log_option="minmax")
     comm = CommLog().install() if args.log_comm else None
     try:
