@@ -31,6 +31,7 @@ def assert_one_line_and_root_cause(proc: subprocess.CompletedProcess, line: str)
     assert f"traceback : {line}" in root_cause, output[-3000:]
 
 
+@pytest.mark.slow  # a whole torchrun launch: CI's slow tier
 def test_one_error_line_under_torchrun_before_anything_starts():
     proc = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                "pretrain_gpt.py", "--schedule", "nope")  # fmt: skip
@@ -38,6 +39,7 @@ def test_one_error_line_under_torchrun_before_anything_starts():
     assert_one_line_and_root_cause(proc, UNKNOWN_SCHEDULE)
 
 
+@pytest.mark.slow  # a whole torchrun launch: CI's slow tier
 def test_the_error_line_survives_rank_0_failing_last(tmp_path):
     """torchrun stops every worker when the first exits: rank 1 must not cut rank 0 off before it
     prints. Rank 0 starts late here, so rank 1 meets the error first."""

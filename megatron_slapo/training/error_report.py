@@ -27,7 +27,9 @@ import datetime
 import os
 import sys
 import time
+import traceback
 from collections.abc import Iterator
+from types import TracebackType
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
@@ -99,6 +101,17 @@ def _peer_loss(error: BaseException) -> str | None:
     return None
 
 
+def _awaited_in(tb: TracebackType | None) -> str:
+    """Where a collective that failed outside ``torch.distributed``'s functions was waited on (an
+    asynchronous one's ``Work.wait()``, as megatron-core's gradient reduction calls it): the
+    innermost frame outside torch, by function and file."""
+    frames = [frame for frame, _ in traceback.walk_tb(tb) if f"{os.sep}torch{os.sep}" not in frame.f_code.co_filename]
+    if not frames:
+        return "a collective"
+    code = frames[-1].f_code
+    return f"a collective awaited in {code.co_name} ({os.path.basename(code.co_filename)})"
+
+
 @contextlib.contextmanager
 def lost_peers(prog: str) -> Iterator[None]:
     """Report a collective cut off by another rank's death as one line naming this rank and the
@@ -109,7 +122,7 @@ def lost_peers(prog: str) -> Iterator[None]:
         reason = _peer_loss(e)
         if reason is None:
             raise
-        op = collective_in(e.__traceback__) or "a collective"
+        op = collective_in(e.__traceback__) or _awaited_in(e.__traceback__)
         line = (f"{prog}: error: rank {_rank()} stopped: another rank died during {op} ({reason}); "
                 "its own output above, or the launcher's summary, says why")  # fmt: skip
         global _last_line
