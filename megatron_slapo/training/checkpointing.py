@@ -311,6 +311,12 @@ def read(path: str, device: torch.device | str = "cpu") -> dict[str, Any]:
         raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e)[:200]}") from e
 
 
+def _saved_without_pipeline(path: str, layout: Layout) -> bool:
+    """Whether this rank's checkpoint file is another layout's (``checkpoint_file`` falls back to
+    the file of a checkpoint saved without pipeline parallelism)."""
+    return os.path.basename(os.path.dirname(path)) != layout.rank_dir()
+
+
 def _check(state: dict[str, Any], args: argparse.Namespace, layout: Layout, path: str, num_layers: int,
            load_optimizer: bool) -> None:  # fmt: skip
     """Refuse a checkpoint file that this run cannot load as asked, before anything is loaded."""
@@ -323,7 +329,7 @@ def _check(state: dict[str, Any], args: argparse.Namespace, layout: Layout, path
     if saved_layers not in (None, num_layers):
         raise CheckpointError(f"{path} holds a model of {saved_layers} layers, this run builds {num_layers}: give "
                               f"--num-layers {saved_layers}, or another --load")  # fmt: skip
-    other_layout = os.path.basename(os.path.dirname(path)) != layout.rank_dir()  # saved without PP
+    other_layout = _saved_without_pipeline(path, layout)
     if load_optimizer and "optimizer" in state and other_layout:
         raise CheckpointError(
             f"{path} was saved without pipeline parallelism: its optimizer state does not fit the pipeline stages; "
@@ -376,7 +382,7 @@ def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str, st
             raise CheckpointError(f"{path} does not fit this model: {str(e)[:300]}") from e
     if args.finetune or state.get("iteration", 0) == 0:
         return Resume()  # a release or from-hf checkpoint: weights only, training starts at 0
-    if os.path.basename(os.path.dirname(path)) != layout.rank_dir():  # saved without PP: one stage's RNG states
+    if _saved_without_pipeline(path, layout):  # one stage's RNG states: every stage keeps its own seeding
         if dist.get_rank() == 0:
             print(f" > WARNING: {path} was saved without pipeline parallelism: RNG states not restored", flush=True)
     elif not args.no_load_rng:
