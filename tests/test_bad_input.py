@@ -134,7 +134,7 @@ def test_checkpoint_errors_say_what_is_wrong_and_how_to_reshard(tmp_path):
     pp2 = Layout(tp_rank=0, tp_size=1, pp_rank=1, pp_size=2, dp_rank=0, dp_group=None)
     (tmp_path / "iter_0000020" / "mp_rank_01").mkdir()
     with pytest.raises(CheckpointError, match=r"holds mp_rank_00, mp_rank_01: it was written with another "
-                       r"tensor/pipeline-parallel size .* To reshard it: .*to-hf .* from-hf"):  # fmt: skip
+                       r"tensor/pipeline-parallel size .* To reshard it: .*--auto-detect-ckpt-format .*to-torch-dist"):  # fmt: skip
         checkpoint_file(str(tmp_path), pp2)
 
 

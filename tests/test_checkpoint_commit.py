@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_slapo.parallel.state import Layout
-from megatron_slapo.training import checkpointing
+from megatron_slapo.training import checkpoint_files, checkpointing
 from megatron_slapo.training.checkpointing import FILENAME, LATEST, commit, iteration_dir
 
 LAYOUT = Layout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_group=None)
@@ -105,7 +105,7 @@ def test_every_file_and_directory_is_synced_before_latest_is_replaced(tmp_path, 
         return f
 
     monkeypatch.setattr(os, "open", os_open)
-    monkeypatch.setattr(checkpointing, "open", builtin_open, raising=False)
+    monkeypatch.setattr(checkpoint_files, "open", builtin_open, raising=False)
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", fd_paths[fd])), real_fsync(fd))[1])
     monkeypatch.setattr(os, "replace", lambda src, dst: (events.append(("replace", dst)), real_replace(src, dst))[1])
     commit(save, 4)

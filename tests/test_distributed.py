@@ -53,7 +53,9 @@ def _rank_logs(log_dir: Path) -> dict[int, str]:
     return logs
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+# The slow tier (-m slow) runs the distributed tests marked slow, at two ranks: through this launch,
+# since the inner pytest takes the outer one's -m.
+@pytest.mark.parametrize("world_size", [2, 4, pytest.param(2, marks=pytest.mark.slow, id="2-slow")])
 def test_distributed_suite(
     world_size: int, tmp_path: Path, request: pytest.FixtureRequest, slowest_distributed: dict[int, str]
 ) -> None:

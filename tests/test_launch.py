@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from megatron_slapo.training import checkpointing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,6 +26,7 @@ def env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **extra}
 
 
+@pytest.mark.slow  # a whole torchrun launch: CI's slow tier
 def test_sigterm_to_torchrun_saves_and_exits(tmp_path):
     ck, log = tmp_path / "ck", tmp_path / "out.log"
     cmd = torchrun("pretrain_gpt.py", *RUN, "--train-iters", "100000", "--exit-signal-handler", "--save", str(ck),
@@ -42,6 +45,7 @@ def test_sigterm_to_torchrun_saves_and_exits(tmp_path):
     assert "Traceback" not in text.split("exiting program after receiving SIGTERM.")[0]  # no rank failed mid-step
 
 
+@pytest.mark.slow  # a whole torchrun launch: CI's slow tier
 def test_torchrun_restart_after_a_crash_resumes_from_the_last_checkpoint(tmp_path):
     ck = tmp_path / "ck"
     cmd = torchrun("--max-restarts", "1", "tests/launch_worker.py", *RUN, "--train-iters", "5", "--save", str(ck),
@@ -50,5 +54,5 @@ def test_torchrun_restart_after_a_crash_resumes_from_the_last_checkpoint(tmp_pat
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
     assert "exitcode  : 17" in text or "exitcode: 17" in text, text[-4000:]  # the first round did crash
-    assert f"loaded checkpoint {ck}/iter_0000002/mp_rank_00/model_optim_rng.pt at iteration 2" in text
+    assert f"loaded checkpoint {ck}/iter_0000002 at iteration 2" in text
     assert "iteration        5/       5" in text and checkpointing.latest_iteration(str(ck)) == 5

@@ -27,7 +27,8 @@ from tools import convert_checkpoint
 
 RUN = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "2",
        "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2",
-       "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1"]  # fmt: skip
+       "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0", "--log-interval", "1",
+       "--ckpt-format", "torch"]  # fmt: skip  # the legacy files; torch_dist's: tests/test_dist_checkpoint.py
 
 
 @pytest.fixture(scope="module")
@@ -253,7 +254,8 @@ def test_from_hf_bad_sources_and_a_missing_launcher(hf_model, tmp_path):
     )
     message = converter_refused([*argv, str(malformed)], tmp_path)
     assert message.startswith(f"--load-hf {malformed}/config.json cannot be read: ") and "JSON" in message
-    message = converter_refused([*argv, str(hf_model), "--tensor-model-parallel-size", "2"], tmp_path)
+    message = converter_refused([*argv, str(hf_model), "--tensor-model-parallel-size", "2", "--ckpt-format", "torch"],
+                                tmp_path)  # fmt: skip
     assert message.startswith("--tensor-model-parallel-size 2 needs a multiple of 2 processes, one per rank, and this "
                               "is 1: run it as torchrun --nproc_per_node 2")  # fmt: skip
     assert not (tmp_path / "out").exists()

@@ -1,13 +1,29 @@
-"""Convert between megatron_slapo checkpoints (TP-sharded, Megatron layout) and HF model directories.
+"""Convert checkpoints to and from HF model directories, and between the two checkpoint formats.
 
-To HF (one process; reassembles the shards and drops the vocabulary padding)::
+Both of Megatron-LM's formats are read and written: ``torch_dist`` (the trainer's default: every
+tensor once, whole, loadable at any layout and on any engine) and ``torch`` (the legacy
+``iter_N/mp_rank_XX/model_optim_rng.pt`` files, one per tensor-parallel rank).
+
+To HF (one process, no torchrun, either format; TP shards merged, the vocabulary padding dropped)::
 
     python tools/convert_checkpoint.py to-hf --load checkpoints/gpt --save-hf hf-gpt [--iteration N]
 
-From HF (one process per tensor-parallel rank; an iteration-0 checkpoint for ``--load``)::
+From HF, an iteration-0 checkpoint to train from (``--load DIR --finetune``): ``torch_dist`` in one
+process (it loads at any layout), or ``torch`` at one tensor-parallel size, one process per rank::
 
-    torchrun --nproc_per_node 2 tools/convert_checkpoint.py from-hf --load-hf hf-gpt \\
+    python tools/convert_checkpoint.py from-hf --load-hf hf-gpt --save checkpoints/gpt
+    torchrun --nproc_per_node 2 tools/convert_checkpoint.py from-hf --load-hf hf-gpt --ckpt-format torch \\
         --save checkpoints/gpt-tp2 --schedule gpt_tp --tensor-model-parallel-size 2
+
+Between the formats (the weights, the iteration, the consumed samples, the recorded arguments)::
+
+    python tools/convert_checkpoint.py to-torch-dist --load checkpoints/legacy --save checkpoints/dist
+    torchrun --nproc_per_node 2 tools/convert_checkpoint.py to-torch --load checkpoints/dist \\
+        --save checkpoints/legacy-tp2 --schedule gpt_tp --tensor-model-parallel-size 2
+
+The optimizer and RNG states are not converted: resume from a converted checkpoint with
+``--no-load-optim --no-load-rng``. To keep the optimizer state, resume the ``torch`` checkpoint at
+the layout that saved it with ``--auto-detect-ckpt-format``: that run then saves ``torch_dist``.
 """
 
 from __future__ import annotations
@@ -16,21 +32,31 @@ if __name__ == "__main__":  # a Python without torch re-runs this with the repo'
     import repo_python  # noqa: F401
 
 import argparse
-import json
 import os
-import re
 import sys
+from typing import Any
 
 import safetensors
 import torch
+import torch.distributed as dist
 import transformers
+from torch import nn
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
 from megatron_slapo.errors import CheckpointError, ConfigError
-from megatron_slapo.models import MODEL_CLASSES
-from megatron_slapo.parallel.layout import unshard
+from megatron_slapo.parallel.agreement import agreed_errors
 from megatron_slapo.parallel.state import Layout
-from megatron_slapo.training import checkpointing
+from megatron_slapo.training import checkpoint_integrity, checkpointing, conversion, dist_checkpoint
+from megatron_slapo.training.checkpoint_files import Resume
+from megatron_slapo.training.model import (
+    Vocabulary,
+    auto_class,
+    check_channels,
+    check_divisible,
+    hf_vocab_size,
+    tied_weights,
+    vocab_parameter_names,
+)
 from megatron_slapo.training.output_paths import check_output_dir
 
 HF_WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
@@ -62,70 +88,16 @@ def _hf_source(load_hf: str) -> transformers.PretrainedConfig:
         raise ConfigError(f"--load-hf {load_hf}/config.json cannot be read: {str(e).splitlines()[0]}") from e
 
 
-def read_shards(load_dir: str, iteration: int | None) -> tuple[int, list[dict]]:
-    """Every TP rank's state of one iteration (the files of its pipeline stages merged)."""
-    if iteration is None:
-        iteration = checkpointing.latest_iteration(load_dir)
-        if iteration is None:
-            raise CheckpointError(f"{load_dir} has no {checkpointing.LATEST}")
-    root = checkpointing.committed_dir(load_dir, iteration)
-    if not os.path.isdir(root):
-        raise CheckpointError(f"{root} does not exist")
-    by_tp: dict[int, list[str]] = {}
-    for d in sorted(os.listdir(root)):
-        match = re.fullmatch(r"mp_rank_(\d\d)(_\d\d\d)?", d)
-        if match:
-            by_tp.setdefault(int(match.group(1)), []).append(d)
-    if not by_tp:
-        raise CheckpointError(f"{root} holds no mp_rank_XX directories")
-    states = [_merge_stages([checkpointing.read(os.path.join(root, d, checkpointing.FILENAME)) for d in dirs])
-              for _, dirs in sorted(by_tp.items())]  # fmt: skip
-    expected = states[0]["slapo"]["tensor_parallel_size"]
-    if len(states) != expected:
-        raise CheckpointError(f"{root} has {len(states)} TP ranks, its metadata says {expected}")
-    return iteration, states
-
-
-def _merge_stages(stages: list[dict]) -> dict:
-    """One TP rank's pipeline-stage files as one: their weights and shard layouts together."""
-    merged = dict(stages[0])
-    merged["model"] = {k: v for s in stages for k, v in s["model"].items()}
-    merged["slapo"] = {**stages[0]["slapo"], "shards": {k: v for s in stages for k, v in s["slapo"]["shards"].items()}}
-    return merged
-
-
-def full_state_dict(states: list[dict]) -> dict[str, torch.Tensor]:
-    """Reassemble sharded tensors and drop the vocabulary padding rows."""
-    meta = states[0]["slapo"]
-    out = {}
-    for name, tensor in states[0]["model"].items():
-        if name in meta["shards"]:
-            dim, stride = meta["shards"][name]
-            tensor = unshard([s["model"][name] for s in states], dim, stride)
-        if name in meta["vocab"]["params"]:
-            tensor = tensor[: meta["vocab"]["true"]]
-        out[name] = tensor.contiguous()
-    return out
-
-
 def to_hf(args: argparse.Namespace) -> None:
+    """A checkpoint of either format as an HF directory, with the run's tokenizer (one process)."""
     check_target("--save-hf", args.save_hf)
-    iteration, states = read_shards(args.load, args.iteration)
-    meta = states[0]["slapo"]
-    config_dict = json.loads(meta["hf_config"])
-    config = transformers.AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
-    if meta["vocab"]["true"] is not None:  # image models have no vocabulary
-        config.vocab_size = meta["vocab"]["true"]
-    with torch.device("meta"):
-        model = (getattr(transformers, meta["model_class"], None) or MODEL_CLASSES[meta["model_class"]])(config)
-    model.load_state_dict(full_state_dict(states), assign=True)
-    model.tie_weights()
+    source = conversion.read(args.load, args.iteration)
+    model = conversion.hf_model(source)
     model.save_pretrained(args.save_hf, safe_serialization=True)
-    saved_args = json.loads(states[0]["args"])
+    saved_args = source.recorded_args()
     tokenizer_note = "" if saved_args.get("task") == "vision" else _save_tokenizer(saved_args, args.save_hf)
-    print(
-        f"wrote {type(model).__name__} (iteration {iteration}, TP {len(states)} -> 1){tokenizer_note} to {args.save_hf}"
-    )
+    how = "torch_dist" if source.format == "torch_dist" else f"TP {source.metadata['tensor_parallel_size']} -> 1"
+    print(f"wrote {type(model).__name__} (iteration {source.iteration}, {how}){tokenizer_note} to {args.save_hf}")
 
 
 def _save_tokenizer(saved_args: dict, save_hf: str) -> str:
@@ -144,96 +116,208 @@ def _save_tokenizer(saved_args: dict, save_hf: str) -> str:
     return " and its tokenizer"
 
 
-def from_hf(args: argparse.Namespace) -> None:
-    import megatron_slapo as ms
-    from megatron_slapo import parallel
-    from megatron_slapo.training.arguments import BERT_MODEL_TYPES, T5_MODEL_TYPES, VISION_MODEL_TYPES
-    from megatron_slapo.training.model import (
-        Vocabulary,
-        auto_class,
-        check_channels,
-        check_divisible,
-        hf_vocab_size,
-        vocab_parameter_names,
-    )
-    from schedules import check_fits, get_schedule
-
-    tp, world = args.tensor_model_parallel_size, int(os.environ.get("WORLD_SIZE", "1"))
+def _check_launch(tp: int, direction: str) -> None:
+    """A ``torch`` checkpoint of tensor-parallel size ``tp`` is written by ``tp`` processes (or a multiple)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     if tp < 1 or world % tp:
         raise ConfigError(f"--tensor-model-parallel-size {tp} needs a multiple of {tp} processes, one per rank, and this "
                           f"is {world}: run it as torchrun --nproc_per_node {max(tp, 1)} tools/convert_checkpoint.py "
-                          "from-hf ...")  # fmt: skip
+                          f"{direction} ...")  # fmt: skip
+
+
+def _check_schedule(schedule: str | None, config: transformers.PretrainedConfig, task: str, tp: int) -> None:
+    """The schedule that shards a ``torch`` checkpoint: given, known, and fitting the model at
+    ``tp`` (checked before the process groups start)."""
+    from schedules import check_fits, get_schedule
+
+    if schedule is None:
+        raise ConfigError("--ckpt-format torch needs --schedule NAME, the tensor-parallel schedule of the runs that "
+                          "will load it (pretrain_gpt.py --schedule list)")  # fmt: skip
+    get_schedule(schedule)
+    check_fits(schedule, config.model_type)
+    if task == "vision":
+        check_channels(config, tp)
+    else:
+        check_divisible(config, tp, shared_kv_heads=schedule == "auto")
+
+
+def _shard(model: nn.Module, args: argparse.Namespace) -> None:
+    """Apply ``--schedule`` to ``model`` and materialise this rank's shards (meta tensors initialised)."""
+    import megatron_slapo as ms
+    from schedules import get_schedule
+
+    sch = ms.create_schedule(model)
+    get_schedule(args.schedule).apply(sch, model.config, args)
+    ms.build(sch)
+
+
+def _metadata(model: nn.Module, task: str, vocab: tuple[int, int] | None, vocab_params: list[str]) -> dict[str, Any]:
+    """What a checkpoint of ``model`` (as this rank holds it) records for export and for loading
+    (:func:`~megatron_slapo.training.checkpointing.export_metadata`); ``vocab``: the true and the
+    padded vocabulary sizes (None for an image model); ``vocab_params``: its vocabulary tensors."""
+    return checkpointing.export_metadata(
+        model.state_dict(keep_vars=True), type(model).__name__, task, model.config,
+        Vocabulary(*vocab) if vocab else None, vocab_params, Layout.current().tp_size, tied_weights(model),
+    )  # fmt: skip
+
+
+def _save(model: nn.Module, metadata: dict[str, Any], ckpt_format: str, save: str, resume: Resume,
+          recorded: dict[str, Any]) -> str:  # fmt: skip
+    """Write ``model``'s weights as iteration ``resume.iteration`` of a checkpoint in ``ckpt_format``,
+    as a training run saves it (``recorded``: the arguments it records). Collective; returns the
+    iteration's directory. No RNG state: the converter's own would mean nothing to a run."""
+    layout = Layout.current()
+    run_args = argparse.Namespace(save=save, ckpt_format=ckpt_format, no_save_optim=True, no_save_rng=True,
+                                  ckpt_fully_parallel_save=True, tensor_model_parallel_size=layout.tp_size)  # fmt: skip
+    if dist.get_rank() == 0:
+        os.makedirs(save, exist_ok=True)
+    return checkpointing.save(conversion.WeightsOnly(model), run_args, layout, resume, metadata, recorded)
+
+
+def _report(path: str, what: str, save: str, resume: Resume) -> None:
+    """Rank 0: what was written, and how a run goes on from it."""
+    if dist.get_rank() != 0:
+        return
+    if resume.iteration == 0:
+        print(f"wrote {path} ({what}); train from it with --load {save} --finetune (or --no-load-optim)")
+    else:
+        print(f"wrote {path} ({what}, iteration {resume.iteration}); only the weights are converted: resume with "
+              f"--load {save} --no-load-optim --no-load-rng (the optimizer and RNG states start afresh)")  # fmt: skip
+
+
+def from_hf(args: argparse.Namespace) -> None:
+    """An HF directory as an iteration-0 checkpoint: ``torch_dist`` (the HF tensors as they are) or
+    ``torch`` (sharded by ``--schedule`` at ``--tensor-model-parallel-size``, its vocabulary padded)."""
+    from megatron_slapo import parallel
+    from megatron_slapo.training.arguments import BERT_MODEL_TYPES, T5_MODEL_TYPES, VISION_MODEL_TYPES
+
+    torch_format, tp = args.ckpt_format == "torch", args.tensor_model_parallel_size
+    if torch_format:
+        _check_launch(tp, "from-hf")
     config = _hf_source(args.load_hf)
     check_target("--save", args.save)
-    get_schedule(args.schedule)  # an unknown name is refused before the process groups start
-    check_fits(args.schedule, config.model_type)
-    parallel.initialize(tensor_parallel=tp)
     families = {**dict.fromkeys(VISION_MODEL_TYPES, "vision"), **dict.fromkeys(BERT_MODEL_TYPES, "bert"),
                 **dict.fromkeys(T5_MODEL_TYPES, "t5")}  # fmt: skip
     task = families.get(config.model_type, "gpt")
+    if torch_format:
+        _check_schedule(args.schedule, config, task, tp)
+    elif tp != 1 or args.schedule:
+        print("note: --schedule and --tensor-model-parallel-size shape only a --ckpt-format torch checkpoint; a "
+              "torch_dist one holds the whole tensors and loads at any layout", flush=True)  # fmt: skip
+    parallel.initialize(tensor_parallel=tp if torch_format else 1)
     binary_head = not args.bert_no_binary_head and config.model_type != "roberta"  # as pretrain_bert.py decides
     try:
         model = auto_class(task, binary_head).from_pretrained(args.load_hf)
     except (OSError, ValueError, safetensors.SafetensorError) as e:  # truncated or mismatched weights
         raise ConfigError(f"--load-hf {args.load_hf}: cannot load its weights: {str(e).splitlines()[0][:300]}") from e
-    true_vocab = padded = None  # an image model has no vocabulary
-    if task == "vision":
-        check_channels(model.config, tp)
-    else:
-        true_vocab = model.get_input_embeddings().num_embeddings
-        # The rows a training run with --load-hf gives this model (its tokenizer taken to be the model's).
-        padded = hf_vocab_size(true_vocab, true_vocab, args.make_vocab_size_divisible_by, tp)
+    vocab = None  # an image model has no vocabulary
+    if task != "vision":
+        true_vocab = padded = model.get_input_embeddings().num_embeddings
+        if torch_format:  # the rows a training run with --load-hf gives it (its tokenizer taken to be the model's)
+            padded = hf_vocab_size(true_vocab, true_vocab, args.make_vocab_size_divisible_by, tp)
         if padded != true_vocab:
             model.resize_token_embeddings(padded, mean_resizing=False)
-        check_divisible(model.config, tp, shared_kv_heads=args.schedule == "auto")
+        vocab = (true_vocab, padded)
     vocab_params = vocab_parameter_names(model)
-    sch = ms.create_schedule(model)
-    get_schedule(args.schedule).apply(sch, model.config, args)
-    ms.build(sch)
-    run_args = argparse.Namespace(
-        task=task, save=args.save, no_save_optim=True, tensor_model_parallel_size=tp,
-        true_vocab_size=true_vocab, padded_vocab_size=padded, schedule=args.schedule, load_hf=args.load_hf,
-        num_layers=model.config.num_hidden_layers,  # what a run loading it must build (checkpointing.load)
-    )  # fmt: skip
-    os.makedirs(args.save, exist_ok=True)
-    engine = _WeightsOnly(model)
-    vocab = Vocabulary(true_vocab, padded) if true_vocab is not None else None
-    metadata = checkpointing.export_metadata(
-        model.state_dict(keep_vars=True), type(model).__name__, task, model.config, vocab, vocab_params, tp
-    )
-    layout, resume = Layout.current(), checkpointing.Resume()
-    path = checkpointing.save(engine, run_args, layout, resume, metadata, vars(run_args))
-    if torch.distributed.get_rank() == 0:
-        print(f"wrote {path} (TP {tp}); train from it with --load {args.save} --finetune (or --no-load-optim)")
+    if torch_format:
+        _shard(model, args)
+    recorded = {
+        "task": task, "tensor_model_parallel_size": tp if torch_format else 1, "schedule": args.schedule,
+        "true_vocab_size": vocab and vocab[0], "padded_vocab_size": vocab and vocab[1], "load_hf": args.load_hf,
+        "num_layers": model.config.num_hidden_layers,  # what a run loading it must build (checked on load)
+    }  # fmt: skip
+    path = _save(model, _metadata(model, task, vocab, vocab_params), args.ckpt_format, args.save, Resume(), recorded)
+    _report(path, f"TP {tp}" if torch_format else "torch_dist: loads at any layout", args.save, Resume())
 
 
-class _WeightsOnly:
-    """The part of the engine interface that saving a weights-only checkpoint needs."""
+def to_torch_dist(args: argparse.Namespace) -> None:
+    """A ``torch`` checkpoint's weights as a ``torch_dist`` one (one process)."""
+    from megatron_slapo import parallel
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    check_target("--save", args.save)
+    source = conversion.read(args.load, args.iteration)
+    if source.format == "torch_dist":
+        raise ConfigError(f"--load {args.load}: {source.root} is in the torch_dist format already (to-torch turns it "
+                          "into a torch one)")  # fmt: skip
+    model = conversion.hf_model(source, padded=True)  # the padding rows train: they are kept
+    meta = source.metadata
+    vocab = (meta["vocab"]["true"], meta["vocab"]["padded"]) if meta["vocab"]["true"] is not None else None
+    parallel.initialize(tensor_parallel=1)
+    resume = source.resume()
+    metadata = _metadata(model, meta["task"], vocab, vocab_parameter_names(model))
+    path = _save(model, metadata, "torch_dist", args.save, resume, source.recorded_args())
+    _report(path, f"torch_dist, from TP {meta['tensor_parallel_size']}", args.save, resume)
+    if resume.iteration and dist.get_rank() == 0:
+        print(f"  to keep the optimizer state instead, resume {args.load} at the layout that saved it with "
+              "--auto-detect-ckpt-format: that run saves torch_dist")  # fmt: skip
 
-    def state_dict(self, directory: str, include_optimizer: bool = True) -> dict:
-        return {"model": self.model.state_dict()}
+
+def to_torch(args: argparse.Namespace) -> None:
+    """A ``torch_dist`` checkpoint's weights as a ``torch`` one at ``--tensor-model-parallel-size``,
+    one process per rank, each reading only its shards (as a training run resumes)."""
+    from megatron_slapo import parallel
+
+    tp = args.tensor_model_parallel_size
+    _check_launch(tp, "to-torch")
+    check_target("--save", args.save)
+    source = conversion.read(args.load, args.iteration, with_weights=False)
+    if source.format == "torch":
+        raise ConfigError(f"--load {args.load}: {source.root} is in the torch format already (to-torch-dist turns it "
+                          "into a torch_dist one, which to-torch writes at any tensor-parallel size)")  # fmt: skip
+    meta, saved_args = source.metadata, source.recorded_args()
+    true_vocab, vocab = meta["vocab"]["true"], None
+    if true_vocab is not None:  # padded as a run at this TP size pads it
+        divisible = args.make_vocab_size_divisible_by or saved_args.get("make_vocab_size_divisible_by") or 128
+        vocab = (true_vocab, hf_vocab_size(true_vocab, true_vocab, divisible, tp))
+    config = conversion.hf_config(meta, vocab and vocab[1])
+    _check_schedule(args.schedule, config, meta["task"], tp)
+    parallel.initialize(tensor_parallel=tp)
+    with agreed_errors(CheckpointError):  # the ranks verify a share of the files each
+        checkpoint_integrity.verify_share(source.root, skip={dist_checkpoint.COMMON})
+    with torch.device("meta"):
+        model = conversion.model_class(meta)(config)
+    vocab_params = vocab_parameter_names(model)
+    _shard(model, args)  # initialised as a run's: vocabulary rows past the checkpoint's padding keep these values
+    metadata = _metadata(model, meta["task"], vocab, vocab_params)
+    dist_checkpoint.load(conversion.WeightsOnly(model), source.root, source.common, Layout.current(), metadata, False)
+    resume = source.resume()
+    path = _save(model, metadata, "torch", args.save, resume, saved_args)
+    _report(path, f"TP {tp}, from torch_dist", args.save, resume)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="direction", required=True)
-    a = sub.add_parser("to-hf", help="checkpoint -> HF directory (safetensors)")
+    a = sub.add_parser("to-hf", help="checkpoint (either format) -> HF directory (safetensors); one process")
     a.add_argument("--load", required=True)
     a.add_argument("--iteration", type=int, help="default: the latest")
     a.add_argument("--save-hf", required=True)
-    b = sub.add_parser("from-hf", help="HF directory -> checkpoint (run under torchrun with TP processes)")
+    b = sub.add_parser("from-hf", help="HF directory -> iteration-0 checkpoint (torch: under torchrun, TP processes)")
     b.add_argument("--load-hf", required=True)
     b.add_argument("--save", required=True)
-    b.add_argument("--schedule", required=True)
-    b.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    b.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    b.add_argument("--ckpt-format", choices=["torch_dist", "torch"], default="torch_dist",
+                   help="torch_dist (default, as the trainer's): one process, loads at any layout; torch: Megatron's "
+                        "legacy files at --tensor-model-parallel-size")  # fmt: skip
+    b.add_argument("--schedule", help="--ckpt-format torch: the schedule that shards it (as the runs loading it)")
+    b.add_argument("--tensor-model-parallel-size", type=int, default=1, help="--ckpt-format torch only")
+    b.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="--ckpt-format torch only")
     b.add_argument("--bert-no-binary-head", action="store_true", help="BERT: the masked-LM model only (no SOP head)")
+    c = sub.add_parser("to-torch-dist", help="torch checkpoint -> torch_dist (weights; one process)")
+    c.add_argument("--load", required=True)
+    c.add_argument("--iteration", type=int, help="default: the latest")
+    c.add_argument("--save", required=True)
+    d = sub.add_parser("to-torch", help="torch_dist checkpoint -> torch at a TP size (weights; under torchrun, TP "
+                                        "processes)")  # fmt: skip
+    d.add_argument("--load", required=True)
+    d.add_argument("--iteration", type=int, help="default: the latest")
+    d.add_argument("--save", required=True)
+    d.add_argument("--schedule", required=True, help="the schedule that shards it (as the runs loading it)")
+    d.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    d.add_argument("--make-vocab-size-divisible-by", type=int, help="default: the saving run's (else 128)")
     args = p.parse_args(argv)
+    convert = {"to-hf": to_hf, "from-hf": from_hf, "to-torch-dist": to_torch_dist, "to-torch": to_torch}
     try:
-        to_hf(args) if args.direction == "to-hf" else from_hf(args)
+        convert[args.direction](args)
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         sys.exit(f"convert_checkpoint.py: error: {e}")
 

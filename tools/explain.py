@@ -9,7 +9,9 @@ process plans each pipeline stage's first rank over a fake process group of ``--
 (no GPU, no cluster, no weights: see :mod:`megatron_slapo.training.estimate`), and prints what the
 schedule did to each module, then per rank: weight, gradient and optimizer bytes, activation bytes
 per micro-batch (and how many micro-batches 1F1B holds at once), collective bytes per step by type
-and group, the pipeline bubble and FLOPs per step.
+and group, the pipeline bubble and FLOPs per step. With ``--load DIR``, what the checkpoint there
+is and how this layout loads it (a ``torch_dist`` one: the layout that saved it, and whether the
+run reshards it).
 
 - ``--task gpt|bert|t5|vision``: which trainer's flags (default gpt).
 - ``--world-size N``: the ranks of the run (default: ``WORLD_SIZE``, else TP x PP), at most
@@ -32,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from megatron_slapo.errors import ConfigError  # noqa: E402
-from megatron_slapo.training import error_report  # noqa: E402
+from megatron_slapo.training import checkpointing, error_report  # noqa: E402
 from megatron_slapo.training.arguments import OneLineParser, parse_args  # noqa: E402
 from megatron_slapo.training.estimate import RankEstimate, estimate  # noqa: E402
 from megatron_slapo.training.output_paths import check_output_file  # noqa: E402
@@ -114,6 +116,10 @@ def main(argv: list[str] | None = None) -> None:
                   "a while", flush=True)  # fmt: skip
         estimates = [estimate(ours.task, rest, world, rank) for rank in ranks]
     print(report(estimates, world))
+    args = parse_args(ours.task, rest, prog="explain.py")
+    loading = checkpointing.describe_load(args.load, args, world) if args.load else None
+    if loading:
+        print(f"Checkpoint to load: {loading}")
     if ours.json:
         rows = [{k: v for k, v in dataclasses.asdict(e).items() if k != "schedule"} | {"peak": e.peak}
                 for e in estimates]  # fmt: skip

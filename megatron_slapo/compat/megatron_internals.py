@@ -5,6 +5,7 @@ Written against megatron-core 0.16 (0.16.1).
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 
@@ -31,3 +32,13 @@ def parallel_state_groups() -> list[dist.ProcessGroup]:
         if not name.startswith("__"):  # module globals only (not __builtins__)
             collect(value)
     return list(groups.values())
+
+
+def distributed_optimizer_range(optimizer: object, param: torch.nn.Parameter) -> tuple[int, int]:
+    """The elements ``[start, end)`` of ``param`` (flattened) that megatron-core's
+    ``DistributedOptimizer`` ``optimizer`` keeps on this data-parallel rank (its fp32 main shard
+    and Adam state), from its private ``_get_model_param_range_map(param)["param"]``: the public
+    checkpoint paths gather or reshape these shards, and none says where a shard lies.
+    megatron-core 0.16."""
+    found = optimizer._get_model_param_range_map(param)["param"]
+    return found.start, found.end

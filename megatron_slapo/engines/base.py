@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_slapo.engines.optimizer import half_precision
+from megatron_slapo.engines.sharded_state import EngineState, Fill
 from megatron_slapo.parallel.collectives import Group, group_size
 
 Batch = dict[str, torch.Tensor]
@@ -134,6 +135,24 @@ class Engine(Protocol):
     def load_state_dict(self, state: dict[str, Any], directory: str, load_optimizer: bool = True) -> None:
         """Restore what :meth:`state_dict` returned (``state``) and wrote into ``directory``; without
         ``load_optimizer`` (``--no-load-optim``, ``--finetune``) only the weights. Collective."""
+        ...
+
+    def sharded_state(self, include_optimizer: bool = True) -> EngineState:
+        """This rank's state for a distributed checkpoint (``--ckpt-format torch_dist``): each
+        parameter's weight (the fp32 main copy where the engine keeps one) and, with
+        ``include_optimizer``, AdamW's moments, as the runs of elements this rank holds (see
+        :mod:`~megatron_slapo.engines.sharded_state`), plus the scalars (Adam's step count, the LR
+        schedule, the loss scaler). The tensors may be the live ones: the caller copies them if it
+        writes while training goes on. Collective."""
+        ...
+
+    def load_sharded_state(self, fill: Fill, load_optimizer: bool = True) -> None:
+        """Load a distributed checkpoint: describe the tensors to load into as :meth:`sharded_state`
+        does (creating the optimizer's state first if it has none yet), call ``fill`` on it (which
+        writes the saved values into them, in place, and sets ``scalars`` to the saved ones), then
+        bring every other copy up to date (low-precision weights from fp32 main weights, the step
+        count, the LR schedule, the loss scale). Without ``load_optimizer``, only the weights.
+        Collective."""
         ...
 
 

@@ -29,6 +29,7 @@ from megatron_slapo.engines.base import (
 )
 from megatron_slapo.engines.local_step import LocalStep
 from megatron_slapo.engines.optimizer import global_norm
+from megatron_slapo.engines.sharded_state import EngineState, Fill, whole
 from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parallel_grads, group_size
 
 
@@ -96,3 +97,14 @@ class DDPEngine:
         if load_optimizer and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
             self.step.load_state_dict(state)
+
+    def sharded_state(self, include_optimizer: bool = True) -> EngineState:
+        """Every rank holds each parameter whole: the weights and AdamW's moments as they are."""
+        state = whole(self.model, (lambda p: self.optimizer.state[p]) if include_optimizer else None)
+        if include_optimizer:
+            state.scalars = self.step.sharded_scalars()
+        return state
+
+    def load_sharded_state(self, fill: Fill, load_optimizer: bool = True) -> None:
+        """Load into the weights and AdamW's moments in place; then the step count, LR schedule and loss scale."""
+        self.step.load_sharded(self.sharded_state, fill, load_optimizer)

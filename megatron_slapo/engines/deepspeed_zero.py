@@ -9,7 +9,8 @@ JIT-compiled) handed to DeepSpeed as a client optimizer, and the LR follows mega
 Checkpoints: DeepSpeed's own files (ZeRO partitions, one per data-parallel rank) go into
 ``iter_XXXXXXX/deepspeed/``; ``model_optim_rng.pt`` still holds the full fp32 weights of the TP rank
 (gathered from the ZeRO partitions), so ``tools/convert_checkpoint.py`` and ``--finetune`` work
-whatever engine wrote the checkpoint.
+whatever engine wrote the checkpoint. ``--ckpt-format torch_dist`` stores instead what each rank
+holds, its ZeRO partitions, under the tensors' global names (:mod:`megatron_slapo.engines.deepspeed_state`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ from megatron_slapo.engines.base import (
     tensor_bytes,
     to_device,
 )
+from megatron_slapo.engines.deepspeed_state import DeepSpeedState
 from megatron_slapo.engines.optimizer import build_optimizer, build_scheduler, global_norm, half_precision, local_part
+from megatron_slapo.engines.sharded_state import EngineState, Fill
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.parallel.collectives import (
     Group,
@@ -355,3 +358,19 @@ class DeepSpeedEngine:
             directory, tag=saved["files"], load_optimizer_states=True, load_lr_scheduler_states=False
         )
         self.scheduler.load_state_dict(state["opt_param_scheduler"])
+
+    def sharded_state(self, include_optimizer: bool = True) -> EngineState:
+        """The fp32 master weights and AdamW's moments as this rank holds them: whole at stage 0, a
+        run of the flat partition per parameter at stages 1-2, a partition of each at stage 3
+        (:mod:`~megatron_slapo.engines.deepspeed_state`); nothing is gathered."""
+        return self._state().sharded_state(include_optimizer)
+
+    def load_sharded_state(self, fill: Fill, load_optimizer: bool = True) -> None:
+        """Load into the fp32 masters (and moments) in place, then the weights the forward reads
+        from them; the step count, LR schedule and fp16 loss scale. Collective."""
+        self._state().load(fill, load_optimizer)
+
+    def _state(self) -> DeepSpeedState:
+        """A view of DeepSpeed's optimizer as it is now (which ZeRO stage, which rank's partitions)."""
+        return DeepSpeedState(self.model, self.optimizer, self.scheduler, self.stage, group_rank(self.dp_group),
+                              self.args.fp16)  # fmt: skip

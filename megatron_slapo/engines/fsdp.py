@@ -7,22 +7,25 @@ shards its own slices among its data-parallel peers (a 2-D TP x FSDP layout). ``
 compute in half precision with fp32 sharded master weights and fp32 gradient reduction
 (``MixedPrecisionPolicy``); fp16 adds Megatron's dynamic loss scale.
 
-Checkpoints: ``model_optim_rng.pt`` holds the full (TP-local) weights, gathered; each rank's
-optimizer shard goes into ``iter_XXXXXXX/fsdp/<tp/pp rank>/dp_rank_XXX.pt``.
+Checkpoints: with ``--ckpt-format torch``, ``model_optim_rng.pt`` holds the full (TP-local) weights,
+gathered, and each rank's optimizer shard goes into ``iter_XXXXXXX/fsdp/<tp/pp rank>/dp_rank_XXX.pt``;
+with ``torch_dist``, each rank describes the rows of the weights and moments it holds
+(:meth:`FSDPEngine.sharded_state`) and nothing is gathered.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from megatron_slapo.engines.base import (
     Batch,
@@ -36,6 +39,7 @@ from megatron_slapo.engines.base import (
 )
 from megatron_slapo.engines.local_step import LocalStep
 from megatron_slapo.engines.optimizer import global_norm, half_precision, local_part
+from megatron_slapo.engines.sharded_state import EngineState, Fill, Run, whole
 from megatron_slapo.errors import CheckpointError
 from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parallel_grads, group_rank, group_size
@@ -43,12 +47,18 @@ from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parall
 FILES = "fsdp"
 
 
-TAGS = ("tensor_model_parallel", "sequence_parallel")
+TAGS = ("tensor_model_parallel", "sequence_parallel")  # Megatron's boolean tags (False where absent)
+PARTITION_TAGS = ("partition_dim", "partition_stride")  # a tensor-parallel shard's axis and stride
 
 
-def _parallel_tags(model: nn.Module) -> dict[str, set[str]]:
-    """tag -> the names of the parameters that carry it."""
-    return {tag: {n for n, p in model.named_parameters() if getattr(p, tag, False)} for tag in TAGS}
+def _parallel_tags(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Parameter name -> Megatron's tensor-parallel attributes on it: the boolean tags always, the
+    partition's axis and stride where set (a distributed checkpoint places the shard by them)."""
+    return {
+        name: {**{tag: bool(getattr(p, tag, False)) for tag in TAGS},
+               **{tag: getattr(p, tag) for tag in PARTITION_TAGS if hasattr(p, tag)}}
+        for name, p in model.named_parameters()
+    }  # fmt: skip
 
 
 class FSDPEngine:
@@ -77,8 +87,8 @@ class FSDPEngine:
             fully_shard(model.get_submodule(path), mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         for name, p in model.named_parameters():
-            for tag in TAGS:
-                setattr(p, tag, name in tags[tag])
+            for tag, value in tags[name].items():
+                setattr(p, tag, value)
         self.step = LocalStep(model, args)  # after fully_shard: over the sharded parameters
         self.params, self.optimizer = self.step.params, self.step.optimizer
 
@@ -179,6 +189,49 @@ class FSDPEngine:
                 if torch.is_tensor(v) and not isinstance(v, DTensor) and v.dim() > 0:
                     self.optimizer.state[p][k] = _like(v, p, local=True)
         self.step.load_state_dict(state)
+
+    # ----------------------------------------------------------------------------------------------
+    def _reshard(self) -> None:
+        """Every FSDP unit back on its shards: the root keeps its weights gathered after a forward
+        with no backward (an evaluation), and the model would then name the gathered copies."""
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    @torch.no_grad()
+    def sharded_state(self, include_optimizer: bool = True) -> EngineState:
+        """This rank's rows of each parameter (its fp32 shard, also under ``--bf16``/``--fp16``: the
+        half-precision copies exist only gathered, for compute) and, with ``include_optimizer``, the
+        same rows of AdamW's moments; persistent buffers, which FSDP2 does not shard, whole."""
+        self._reshard()
+        state = whole(self.model, (lambda p: self.optimizer.state[p]) if include_optimizer else None, local_run)
+        if include_optimizer:
+            state.scalars = self.step.sharded_scalars()
+        return state
+
+    @torch.no_grad()
+    def load_sharded_state(self, fill: Fill, load_optimizer: bool = True) -> None:
+        """Load into the shards in place (the weights are fp32 and FSDP2 gathers the compute copies from
+        them at each forward, so there is no other copy to update) and, when asked, into AdamW's
+        moments (created first if it has not stepped yet); then the step count, LR schedule and loss scale."""
+        self.step.load_sharded(self.sharded_state, fill, load_optimizer)
+
+
+def local_run(t: torch.Tensor) -> Run:
+    """The elements of ``t`` this rank holds, as a run of ``t`` flattened: a plain tensor whole, an
+    FSDP2 DTensor its shard, rows of dim 0 split over the data-parallel mesh as ``torch.chunk``
+    splits them (``ceil(n / size)`` rows per rank, the last ones short or empty). ``data`` is the
+    live local shard (a view of it), so writing into it loads the parameter."""
+    if not isinstance(t, DTensor):
+        return Run(t.detach())
+    if tuple(t.placements) != (Shard(0),):
+        raise RuntimeError(f"expected an FSDP2 shard of dim 0 over a 1-D mesh, got placements {t.placements}")
+    mesh = t.device_mesh
+    rows, first = Shard.local_shard_size_and_offset(t.shape[0], mesh.size(), mesh.get_local_rank())
+    local = t.detach().to_local()
+    if local.shape[0] != rows or not local.is_contiguous():
+        raise RuntimeError(f"a shard of {tuple(local.shape)} where rows [{first}, {first + rows}) were expected")
+    return Run(local, first * math.prod(t.shape[1:]))
 
 
 def _like(value: torch.Tensor, template: torch.Tensor, local: bool = False) -> torch.Tensor:

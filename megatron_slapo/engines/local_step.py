@@ -19,6 +19,7 @@ from torch import nn
 from megatron_slapo.engines.base import Batch, StepResult, accumulate, average_metrics
 from megatron_slapo.engines.loss_scaler import load_scaler_state, loss_scaler_for
 from megatron_slapo.engines.optimizer import build_optimizer, build_scheduler, clip_grads
+from megatron_slapo.engines.sharded_state import EngineState, Fill, adam_step, init_adam_state, set_adam_step
 from megatron_slapo.parallel.collectives import Group
 
 
@@ -93,3 +94,19 @@ class LocalStep:
         self.scheduler.load_state_dict(state["opt_param_scheduler"])
         if self.scaler and "grad_scaler" in state:
             load_scaler_state(self.scaler, state["grad_scaler"])
+
+    def sharded_scalars(self) -> dict:
+        """The scalars of a distributed checkpoint: AdamW's step count, the LR schedule, the loss scale."""
+        return {"optimizer_step": adam_step(self.optimizer), **self.state_dict()}
+
+    def load_sharded(self, describe: Callable[[bool], EngineState], fill: Fill, load_optimizer: bool) -> None:
+        """Load a distributed checkpoint into what ``describe(load_optimizer)`` gives (the engine's
+        live tensors: AdamW's state is created first if it has not stepped yet), then the step
+        count, LR schedule and loss scale."""
+        if load_optimizer:
+            init_adam_state(self.optimizer)
+        state = describe(load_optimizer)
+        fill(state)
+        if load_optimizer:
+            set_adam_step(self.optimizer, state.scalars["optimizer_step"])
+            self.load_state_dict(state.scalars)

@@ -48,7 +48,19 @@ from megatron_slapo.engines.base import (
     metrics_to_floats,
     to_device,
 )
+from megatron_slapo.engines.loss_scaler import load_scaler_state
+from megatron_slapo.engines.megatron_state import (
+    adam_optimizers,
+    adam_steps,
+    all_names,
+    copy_main_to_model,
+    describe,
+    main_tensors,
+    optimizer_parts,
+    set_adam_steps,
+)
 from megatron_slapo.engines.optimizer import build_scheduler, half_precision, megatron_fp32_grads
+from megatron_slapo.engines.sharded_state import EngineState, Fill, init_adam_state
 from megatron_slapo.engines.stage_chunk import StageChunk, check_plan
 from megatron_slapo.errors import CheckpointError
 from megatron_slapo.parallel.collectives import Group, all_reduce_flat, comm_device, group_size
@@ -99,6 +111,8 @@ class MegatronEngine:
             check_plan(model)
         stages = model.local(self.pp_rank, self.pp_size) if isinstance(model, PipelineStages) else [(0, model)]
         total = len(model.stages) if isinstance(model, PipelineStages) else 1
+        # every weight's names in the whole model, for distributed checkpoints (tied ones have several)
+        self.tensor_names = all_names(list(model.stages) if isinstance(model, PipelineStages) else [model])
         self.device = next(stages[0][1].parameters()).device
         # weights and pipeline messages
         self.dtype = half_precision(args) or torch.float32
@@ -360,34 +374,13 @@ class MegatronEngine:
                 state["optimizer"] = self.optimizer.state_dict()
                 if self.args.use_distributed_optimizer:
                     state["optimizer"] = {"distributed": state["optimizer"], "files": PARAMETER_STATE,
-                                          "steps": self._adam_steps()}  # fmt: skip
+                                          "steps": adam_steps(self.optimizer)}  # fmt: skip
                     path = self._parameter_state_file(directory)
                     if self._dp_rank() == 0:
                         os.makedirs(os.path.dirname(path), exist_ok=True)
                     self.optimizer.save_parameter_state(path)  # gathered onto data-parallel rank 0
             state["opt_param_scheduler"] = self.scheduler.state_dict()  # the loss scaler is in the optimizer's
         return state
-
-    def _adam_params(self) -> list[tuple[torch.optim.Optimizer, list[torch.Tensor]]]:
-        """The torch optimizers inside megatron-core's, with their (fp32 shard) parameters in order."""
-        inner = [o.optimizer for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])]
-        return [(o, [p for group in o.param_groups for p in group["params"]]) for o in inner]
-
-    def _adam_steps(self) -> float:
-        """torch's AdamW counts steps per parameter, which megatron-core's parameter-state file
-        (written for fused Adams that count per group) leaves out. Every parameter of the
-        distributed optimizer steps together, so one count is kept (data-parallel ranks hold
-        different shards, and read the same file)."""
-        counts = [
-            float(o.state[p]["step"]) for o, params in self._adam_params() for p in params if "step" in o.state[p]
-        ]
-        return max(counts, default=0.0)
-
-    def _set_adam_steps(self, count: float) -> None:
-        """Give every parameter of the torch optimizers the step count ``count``."""
-        for o, params in self._adam_params():
-            for p in params:
-                o.state[p]["step"] = torch.tensor(count, dtype=torch.float32)
 
     def _dp_rank(self) -> int:
         """This rank's place in the data-parallel group (0 with one rank)."""
@@ -431,14 +424,56 @@ class MegatronEngine:
         with cpu_compat.device_mode():
             if distributed:
                 self.optimizer.load_state_dict(optimizer["distributed"])
-                for torch_optimizer, params in self._adam_params():
-                    for p in params:
-                        torch_optimizer.state[p].pop("step", None)
+                for torch_optimizer in adam_optimizers(self.optimizer):
+                    for param_state in torch_optimizer.state.values():
+                        param_state.pop("step", None)
                 self.optimizer.load_parameter_state(self._parameter_state_file(directory))
-                self._set_adam_steps(optimizer["steps"])
+                set_adam_steps(self.optimizer, optimizer["steps"])
             else:
                 self.optimizer.load_state_dict(optimizer)
         self.scheduler.load_state_dict(state["opt_param_scheduler"])
+
+    def sharded_state(self, include_optimizer: bool = True) -> EngineState:
+        """This rank's stages' weights (the fp32 main copies under --bf16/--fp16) and, with
+        ``include_optimizer``, Adam's moments, where megatron-core's optimizer keeps them
+        (:mod:`~megatron_slapo.engines.megatron_state`); the step count, the LR schedule and the
+        fp16 loss scaler's state. The tensors are the live ones."""
+        stages = [chunk.stage for chunk in self.chunks]
+        state = EngineState(describe(stages, self.tensor_names, main_tensors(self.optimizer), include_optimizer))
+        if include_optimizer:
+            state.scalars = {
+                "optimizer_step": adam_steps(self.optimizer),
+                "opt_param_scheduler": self.scheduler.state_dict(),
+            }
+            if self.args.fp16:  # every chained optimizer's scaler steps alike
+                state.scalars["grad_scaler"] = optimizer_parts(self.optimizer)[0].grad_scaler.state_dict()
+        return state
+
+    @torch.no_grad()
+    def load_sharded_state(self, fill: Fill, load_optimizer: bool = True) -> None:
+        """Give Adam its state (zeros) if it has none yet, let ``fill`` write into the tensors
+        :meth:`sharded_state` describes, then cast the fp32 main weights into the model's (with the
+        distributed optimizer, each rank its run, then all-gathered as after a step), clear the
+        gradient buffers and set the step count, LR schedule and loss scale."""
+        mains = main_tensors(self.optimizer)
+        if load_optimizer:
+            for torch_optimizer in adam_optimizers(self.optimizer):
+                init_adam_state(torch_optimizer)
+        state = self.sharded_state(load_optimizer)
+        fill(state)
+        stages = [chunk.stage for chunk in self.chunks]
+        with cpu_compat.device_mode():
+            copy_main_to_model(stages, mains)
+            for model in self.ddp:
+                if self.args.use_distributed_optimizer:
+                    model.start_param_sync(force_sync=True)
+                model.zero_grad_buffer()
+        if load_optimizer:
+            set_adam_steps(self.optimizer, state.scalars["optimizer_step"])
+            self.scheduler.load_state_dict(state.scalars["opt_param_scheduler"])
+            if self.args.fp16 and "grad_scaler" in state.scalars:
+                for part in optimizer_parts(self.optimizer):
+                    load_scaler_state(part.grad_scaler, state.scalars["grad_scaler"])
 
 
 def _without_constant_scaler(state: Any) -> Any:

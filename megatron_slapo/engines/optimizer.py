@@ -26,11 +26,12 @@ def megatron_fp32_grads(args: argparse.Namespace) -> bool:
 
 
 def param_groups(model: nn.Module) -> list[dict]:
-    """Weight decay on matrices only; biases and norm weights (1-D) are not decayed (Megatron)."""
+    """Weight decay on matrices only; biases and norm weights (1-D) are not decayed (Megatron). A
+    ZeRO-3 parameter is already partitioned (an empty tensor): its true shape is ``ds_shape``."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
     return [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
 
 

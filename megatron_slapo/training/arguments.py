@@ -235,6 +235,36 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load only the model weights; start at iteration 0")
+    g.add_argument(
+        "--ckpt-format",
+        choices=["torch_dist", "torch"],
+        default="torch_dist",
+        help="torch_dist: every tensor once by its global identity (torch.distributed.checkpoint), loadable "
+        "at any TP/PP/DP size and engine; torch: Megatron's legacy mp_rank_XX files, one layout only",
+    )
+    g.add_argument(
+        "--auto-detect-ckpt-format",
+        action="store_true",
+        help="--load a checkpoint of either format (it saves in --ckpt-format)",
+    )
+    g.add_argument(
+        "--async-save",
+        action="store_true",
+        help="(torch_dist) write checkpoints in the background while training goes on; the tracker moves "
+        "only once every rank's files are on disk",
+    )
+    g.add_argument(
+        "--ckpt-fully-parallel-save",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="(torch_dist) data-parallel replicas share the writing of the tensors they hold alike "
+        "(otherwise the lowest rank holding one writes it)",
+    )
+    g.add_argument(
+        "--ckpt-fully-parallel-load",
+        action="store_true",
+        help="(not offered: with torch.distributed.checkpoint every rank reads only the boxes it needs)",
+    )
     g.add_argument("--overwrite-checkpoints", action="store_true",
                    help="let --save write into a directory holding iterations this run did not load from (a new "
                         "run, --finetune, or --load elsewhere): those it saves again are replaced, the others stay "

@@ -1,6 +1,8 @@
-"""Megatron-layout checkpoints, written atomically, resumable exactly.
+"""Checkpoints in Megatron-LM's two formats, written atomically, resumable exactly.
 
-Layout (Megatron-LM's legacy format)::
+``--ckpt-format torch_dist`` (the default) is :mod:`~megatron_slapo.training.dist_checkpoint`:
+every tensor once, by its global identity, loadable at any layout and on any engine. This module
+dispatches to it and holds the ``torch`` format (Megatron-LM's legacy layout)::
 
     SAVE/latest_checkpointed_iteration.txt
     SAVE/iter_0000100/mp_rank_00/model_optim_rng.pt        (one file per TP rank; _PPP with PP)
@@ -11,15 +13,8 @@ optimizer, LR scheduler and loss-scaler state (engines that partition the optimi
 data-parallel ranks, ZeRO and FSDP, write that into their own files in the iteration directory and
 keep a pointer here), the RNG states of every data-parallel rank, the iteration and the consumed
 samples (the data position), plus what export needs: each tensor's shard layout, the HF config and
-the vocabulary padding. Files are read with ``torch.load(weights_only=True)``.
-
-Crash safety: an iteration is written into ``iter_XXXXXXX.tmp``; once every rank is done, every
-file and directory in it is fsynced, and rank 0 commits it (:func:`commit`): ``iter_N`` (when N is
-saved again) is renamed ``iter_N.old``, ``iter_N.tmp`` renamed ``iter_N``, the directory fsynced,
-and only then ``latest_checkpointed_iteration.txt`` replaced (written, fsynced, renamed) and
-``iter_N.old`` removed. A run killed at any point leaves ``latest`` naming a complete checkpoint:
-the one before, or, killed between the two renames of a re-saved iteration, ``iter_N.old``, which
-readers take while ``iter_N`` is missing (:func:`committed_dir`) and the next save puts back.
+the vocabulary padding. Files are read with ``torch.load(weights_only=True)``. Both formats are
+committed crash-safely (:mod:`~megatron_slapo.training.checkpoint_files`).
 
 Nothing is lost: before any compute, :func:`check_save_target` refuses a ``--save`` that cannot be
 written or that holds iterations the run did not load from (it would overwrite them, or move
@@ -34,135 +29,45 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import re
 import shutil
-from dataclasses import dataclass
 from typing import Any
 
-import numpy
 import torch
 import torch.distributed as dist
 
 from megatron_slapo.engines.base import Engine
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.parallel.agreement import agreed_errors
-from megatron_slapo.parallel.random import get_rng_tracker
 from megatron_slapo.parallel.state import Layout
 from megatron_slapo.training import checkpoint_integrity as integrity
+from megatron_slapo.training import dist_checkpoint
+from megatron_slapo.training.checkpoint_files import (
+    LATEST,
+    Resume,
+    commit,
+    committed_dir,
+    iteration_dir,
+    latest_iteration,
+    restore_interrupted,
+    saved_iterations,
+    write_file,
+)
 from megatron_slapo.training.model import Vocabulary
 from megatron_slapo.training.output_paths import check_output_dir
+from megatron_slapo.training.rng_state import rng_state, set_rng_state
 
-LATEST = "latest_checkpointed_iteration.txt"
 FILENAME = "model_optim_rng.pt"
 VERSION = 3.0
 
 
-@dataclass
-class Resume:
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
-
-
-def iteration_dir(base: str, iteration: int | str) -> str:
-    return os.path.join(base, "release" if iteration == "release" else f"iter_{iteration:07d}")
-
-
-def committed_dir(base: str, iteration: int | str) -> str:
-    """The directory holding iteration ``iteration``: ``iter_N``, or ``iter_N.old`` when a run was
-    killed between the two renames of re-saving N (``iter_N`` is then missing, the old copy complete)."""
-    final = iteration_dir(base, iteration)
-    return final + ".old" if not os.path.isdir(final) and os.path.isdir(final + ".old") else final
-
-
-def _print_rank_0(text: str) -> None:
-    if dist.get_rank() == 0:
-        print(text, flush=True)
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: str) -> None:
-    """fsync every file under ``root``, then every directory (deepest first), so that a crash after
-    the renames that follow cannot leave a committed checkpoint with missing or empty files."""
-    for directory, _, files in os.walk(root, topdown=False):
-        for name in files:
-            _fsync_path(os.path.join(directory, name))
-        _fsync_path(directory)
-
-
-def _write_file(path: str, write: Any) -> None:
-    """Write ``path`` through ``write(file)`` into ``path.partial``, fsync it, and rename it into place."""
-    with open(path + ".partial", "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".partial", path)
-
-
-def _restore_interrupted(save_dir: str, iteration: int) -> None:
-    """Undo a save of ``iteration`` killed between its two renames: put ``iter_N.old`` back."""
-    final = iteration_dir(save_dir, iteration)
-    if not os.path.isdir(final) and os.path.isdir(final + ".old"):
-        os.replace(final + ".old", final)
-        _fsync_path(save_dir)
-
-
-def commit(save_dir: str, iteration: int) -> None:
-    """Rank 0, once every rank has written its files into ``iter_N.tmp`` (and their checksums):
-    sync them, make the directory iteration N and point ``latest_checkpointed_iteration.txt`` at
-    it, in the order the module docstring explains."""
-    final = iteration_dir(save_dir, iteration)
-    tmp, old = final + ".tmp", final + ".old"
-    _fsync_tree(tmp)  # the engines' own files too (ZeRO, FSDP, distributed optimizer)
-    _restore_interrupted(save_dir, iteration)
-    if os.path.isdir(final):  # re-saving an iteration: keep the old copy until the new one is in place
-        shutil.rmtree(old, ignore_errors=True)  # a leftover of a save killed after its last rename
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_path(save_dir)  # both renames are on disk before latest names the iteration
-    _write_file(os.path.join(save_dir, LATEST), lambda f: f.write(str(iteration).encode()))
-    _fsync_path(save_dir)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _rng_state() -> dict[str, Any]:
-    name, keys, pos, has_gauss, gauss = numpy.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(numpy.int64)), "pos": pos,
-                  "has_gauss": has_gauss, "gauss": gauss},
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "tracker": get_rng_tracker().get_states(),
-    }  # fmt: skip
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np = state["numpy"]
-    numpy.random.set_state(
-        (np["name"], np["keys"].numpy().astype(numpy.uint32), np["pos"], np["has_gauss"], np["gauss"])
-    )
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    get_rng_tracker().set_states(state["tracker"])
-
-
 def export_metadata(tensors: dict[str, torch.Tensor], model_class: str, task: str, config: Any,
-                    vocab: Vocabulary | None, vocab_params: list[str], tensor_parallel_size: int) -> dict:  # fmt: skip
+                    vocab: Vocabulary | None, vocab_params: list[str], tensor_parallel_size: int,
+                    tied: dict[str, str] | None = None) -> dict:  # fmt: skip
     """What ``tools/convert_checkpoint.py`` needs to rebuild the HF model (class ``model_class``, of
     ``pretrain_<task>.py``) from the shards; ``tensors`` are this rank's (``state_dict(keep_vars=True)``),
     whose shard layout it records; ``vocab`` (None for an image model) tells export which rows of
-    ``vocab_params`` are padding."""
+    ``vocab_params`` are padding; ``tied``: HF's tied weights (name -> the name it is tied to), under
+    which a ``torch_dist`` checkpoint stores them."""
     shards = {
         name: [t.partition_dim, t.partition_stride]
         for name, t in tensors.items()
@@ -179,27 +84,44 @@ def export_metadata(tensors: dict[str, torch.Tensor], model_class: str, task: st
             "params": vocab_params,
         },  # fmt: skip
         "tensor_parallel_size": tensor_parallel_size,
+        "tied": dict(tied or {}),
     }
 
 
-def save(
-    engine: Engine, args: argparse.Namespace, layout: Layout, resume: Resume, metadata: dict, recorded: dict[str, Any]
-) -> str:  # fmt: skip
-    """Write iteration ``resume.iteration`` to ``args.save`` crash-safely (see the module docstring);
-    return its directory. ``recorded``: the arguments as the run used them, Megatron's ``args``
-    entry (``tools/convert_checkpoint.py`` rebuilds the tokenizer from it). Collective: every rank calls it."""
+def _print_rank_0(text: str) -> None:
+    if dist.get_rank() == 0:
+        print(text, flush=True)
+
+
+def save(engine: Engine, args: argparse.Namespace, layout: Layout, resume: Resume, metadata: dict,
+         recorded: dict[str, Any], asynchronous: dist_checkpoint.AsyncSaves | None = None) -> str:  # fmt: skip
+    """Write iteration ``resume.iteration`` to ``args.save`` crash-safely in ``--ckpt-format`` (see
+    the module docstring); return its directory. ``recorded``: the arguments as the run used them,
+    Megatron's ``args`` entry (``tools/convert_checkpoint.py`` rebuilds the tokenizer from it);
+    ``asynchronous``: where a ``torch_dist`` save goes on in the background (``--async-save``).
+    Collective: every rank calls it."""
+    if getattr(args, "ckpt_format", "torch") == "torch_dist":
+        common = {
+            "checkpoint_version": VERSION, "iteration": resume.iteration, "args": json.dumps(recorded, default=str),
+            "engine": getattr(args, "engine", None), "consumed_train_samples": resume.consumed_train_samples,
+            "consumed_valid_samples": resume.consumed_valid_samples, "slapo": metadata,
+            "layout": dist_checkpoint.layout_record(args, dist.get_world_size()),
+        }  # fmt: skip
+        if not getattr(args, "no_save_rng", False):
+            common["rng_state"] = rng_state()
+        return dist_checkpoint.save(engine, args, layout, common, dist_checkpoint.Identity.of(metadata), asynchronous)
     final = iteration_dir(args.save, resume.iteration)
     tmp = final + ".tmp"
     _print_rank_0(f"saving checkpoint at iteration {resume.iteration:7d} to {args.save}")
     if dist.get_rank() == 0:
-        _restore_interrupted(args.save, resume.iteration)
+        restore_interrupted(args.save, resume.iteration)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
     rng = None
     if not getattr(args, "no_save_rng", False):
         rng = [None] * dist.get_world_size(layout.dp_group)
-        dist.all_gather_object(rng, _rng_state(), group=layout.dp_group)
+        dist.all_gather_object(rng, rng_state(), group=layout.dp_group)
     state = engine.state_dict(tmp, include_optimizer=not args.no_save_optim)
     if layout.dp_rank == 0:
         state.update(
@@ -211,7 +133,7 @@ def save(
             state["rng_state"] = rng
         path = os.path.join(tmp, layout.rank_dir(), FILENAME)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        _write_file(path, lambda f: torch.save(state, f))
+        write_file(path, lambda f: torch.save(state, f))
     dist.barrier()
     shares: list[dict[str, str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(shares, integrity.checksum_share(tmp))  # each rank hashes a share of the files
@@ -221,27 +143,6 @@ def save(
     dist.barrier()
     _print_rank_0(f"  successfully saved checkpoint at iteration {resume.iteration:7d} to {args.save}")
     return final
-
-
-def latest_iteration(load_dir: str) -> int | str | None:
-    """The iteration named by ``latest_checkpointed_iteration.txt`` (or Megatron's ``"release"``);
-    None if there is no checkpoint yet (Megatron then starts from scratch)."""
-    path = os.path.join(load_dir, LATEST)
-    if not os.path.exists(path):
-        return None
-    text = open(path).read().strip()
-    if text == "release":
-        return text
-    if not text.isdigit():
-        raise CheckpointError(f"{path} should hold an iteration number or 'release', found {text[:40]!r}")
-    return int(text)
-
-
-def saved_iterations(save_dir: str) -> list[int]:
-    """The committed iterations in ``save_dir`` (``iter_N``, or ``iter_N.old`` standing in for a missing ``iter_N``)."""
-    names = os.listdir(save_dir) if os.path.isdir(save_dir) else []
-    found = (re.fullmatch(r"iter_(\d{7})(\.old)?", name) for name in names)
-    return sorted({int(match.group(1)) for match in found if match and os.path.isdir(os.path.join(save_dir, match[0]))})
 
 
 def check_save_target(args: argparse.Namespace, resume_path: str | None) -> None:
@@ -269,19 +170,30 @@ def check_save_target(args: argparse.Namespace, resume_path: str | None) -> None
     )
 
 
-def checkpoint_file(load_dir: str, layout: Layout) -> str | None:
-    """This rank's file of the latest checkpoint (checked to exist), or None when there is none."""
+def checkpoint_file(load_dir: str, layout: Layout, ckpt_format: str = "torch", auto_detect: bool = False) -> str | None:
+    """What this rank loads of the latest checkpoint (checked to exist): its file of a ``torch``
+    checkpoint, the iteration directory of a ``torch_dist`` one; None when there is none. A
+    checkpoint of another format than ``ckpt_format`` is refused, unless ``auto_detect``."""
     iteration = latest_iteration(load_dir)
     if iteration is None:
         return None
     root = committed_dir(load_dir, iteration)
+    if not os.path.isdir(root):
+        raise CheckpointError(f"{os.path.join(load_dir, LATEST)} names iteration {iteration}, but {root} does not "
+                              "exist: the checkpoint was deleted or only partly copied")  # fmt: skip
+    found = "torch_dist" if dist_checkpoint.is_dist_checkpoint(root) else "torch"
+    if found != ckpt_format and not auto_detect:
+        raise CheckpointError(
+            f"{root} is a checkpoint in the {found} format, this run has --ckpt-format {ckpt_format}: pass "
+            f"--ckpt-format {found} (or --auto-detect-ckpt-format to load it and save in {ckpt_format}), or convert "
+            f"it with tools/convert_checkpoint.py {'to-torch' if found == 'torch_dist' else 'to-torch-dist'}"
+        )
+    if found == "torch_dist":
+        return root
     path = os.path.join(root, layout.rank_dir(), FILENAME)
     whole = os.path.join(root, f"mp_rank_{layout.tp_rank:02d}", FILENAME)
     if not os.path.isfile(path) and layout.pp_size > 1 and os.path.isfile(whole):
         return whole  # saved without pipeline parallelism: every stage takes its weights from the whole model
-    if not os.path.isdir(root):
-        raise CheckpointError(f"{os.path.join(load_dir, LATEST)} names iteration {iteration}, but {root} does not "
-                              "exist: the checkpoint was deleted or only partly copied")  # fmt: skip
     if not os.path.isfile(path):
         saved = sorted(d for d in os.listdir(root) if d.startswith("mp_rank_"))
         if layout.rank_dir() in saved or not saved:
@@ -293,12 +205,28 @@ def checkpoint_file(load_dir: str, layout: Layout) -> str | None:
     return path
 
 
+def describe_load(load_dir: str, args: argparse.Namespace, world: int) -> str | None:
+    """What ``--load`` holds and how a run of ``world`` ranks with ``args`` would load it (for
+    ``tools/explain.py``): None when there is no checkpoint there yet."""
+    iteration = latest_iteration(load_dir)
+    root = committed_dir(load_dir, iteration) if iteration is not None else None
+    if root is None or not os.path.isdir(root):
+        return None
+    if not dist_checkpoint.is_dist_checkpoint(root):
+        return (f"{root} (torch format): loads only at the tensor- and pipeline-parallel sizes that saved it; "
+                "--ckpt-format torch_dist checkpoints load at any layout")  # fmt: skip
+    saved = dist_checkpoint.read_common(root).get("layout", {})
+    here = dist_checkpoint.layout_record(args, world)
+    return f"{root} (torch_dist): {dist_checkpoint.resharding(saved, here)}" if saved else f"{root} (torch_dist)"
+
+
 def reshard_hint(load_dir: str) -> str:
-    """How to turn a checkpoint into one of another tensor-parallel size."""
+    """How to load a legacy (``torch``) checkpoint at another layout."""
     return (
-        f"To reshard it: python tools/convert_checkpoint.py to-hf --load {load_dir} --save-hf HF_DIR, then "
-        "torchrun --nproc_per_node TP tools/convert_checkpoint.py from-hf --load-hf HF_DIR --save NEW_DIR "
-        "--schedule SCHEDULE --tensor-model-parallel-size TP, and train with --load NEW_DIR --finetune"
+        f"To reshard it: resume it once at its own layout with --auto-detect-ckpt-format (it then saves in "
+        f"--ckpt-format torch_dist, optimizer included), or convert its weights with tools/convert_checkpoint.py "
+        f"to-torch-dist --load {load_dir} --save NEW_DIR and resume with --load NEW_DIR --no-load-optim --no-load-rng; "
+        "a torch_dist checkpoint loads at any layout"
     )
 
 
@@ -359,6 +287,8 @@ def read_checked(args: argparse.Namespace, layout: Layout, path: str | None, num
     with agreed_errors(CheckpointError):
         if path is None:
             return None
+        if os.path.isdir(path):  # a torch_dist checkpoint: what every rank reads is its common state
+            return dist_checkpoint.read_checked(args, layout, path, num_layers)
         state = read(path)
         root = os.path.dirname(os.path.dirname(path))
         own = {os.path.join(d, FILENAME) for d in os.listdir(root) if d.startswith("mp_rank_")}
@@ -367,10 +297,14 @@ def read_checked(args: argparse.Namespace, layout: Layout, path: str | None, num
         return state
 
 
-def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str, state: dict[str, Any]) -> Resume:
+def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str, state: dict[str, Any],
+         metadata: dict[str, Any] | None = None) -> Resume:  # fmt: skip
     """Restore ``state``, this rank's checkpoint file ``path`` as :func:`read_checked` returned it,
-    into ``engine`` (honouring --finetune / --no-load-optim / --no-load-rng). Collective: every rank
-    calls it; an error the engine raises on any rank is raised on every rank."""
+    into ``engine`` (honouring --finetune / --no-load-optim / --no-load-rng); a ``torch_dist``
+    checkpoint (``path`` its directory) needs the run's ``metadata`` (how its tensors are named).
+    Collective: every rank calls it; an error the engine raises on any rank is raised on every rank."""
+    if os.path.isdir(path):
+        return dist_checkpoint.resume(engine, args, layout, path, state, metadata or {})
     load_optimizer = not (args.finetune or args.no_load_optim)
     if load_optimizer and "optimizer" not in state and state.get("iteration", 0) > 0 and dist.get_rank() == 0:
         print(f" > WARNING: {path} has no optimizer state (saved with --no-save-optim): the optimizer and the LR "
@@ -386,5 +320,5 @@ def load(engine: Engine, args: argparse.Namespace, layout: Layout, path: str, st
         if dist.get_rank() == 0:
             print(f" > WARNING: {path} was saved without pipeline parallelism: RNG states not restored", flush=True)
     elif not args.no_load_rng:
-        _set_rng_state(state["rng_state"][layout.dp_rank])
+        set_rng_state(state["rng_state"][layout.dp_rank])
     return Resume(state["iteration"], state["consumed_train_samples"], state["consumed_valid_samples"])

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.parallel.state import Layout
 from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.plans import sequence
-from megatron_slapo.training import checkpointing, error_report, recompute
+from megatron_slapo.training import checkpointing, dist_checkpoint, error_report, recompute
 from megatron_slapo.training.arguments import parse_args
 from megatron_slapo.training.checkpointing import Resume
 from megatron_slapo.training.exit_conditions import ExitConditions
@@ -51,6 +51,7 @@ from megatron_slapo.training.model import (
     megatron_shape,
     pipeline_cuts,
     pipeline_stages,
+    tied_weights,
     trace_for_pipeline,
     vocab_parameter_names,
     vocabulary,
@@ -135,6 +136,7 @@ class Plan:
     shape: ModelShape
     recorded: dict[str, Any]  # the arguments as the run uses them: the checkpoint's Megatron ``args``
     checkpoint: dict[str, Any] | None = None  # this rank's file of resume_path, read and checked
+    tied: dict[str, str] = field(default_factory=dict)  # HF's tied weights: name -> the name it is tied to
 
 
 def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: int | None = None) -> Plan:
@@ -162,7 +164,8 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
                 check_output_dir("--tensorboard-dir", args.tensorboard_dir)
             elif args.embedded_data or settings.task == "vision":  # the run names its own folder under runs/
                 check_output_dir("--tensorboard-dir (default: under runs/)", "runs")
-            resume_path = checkpointing.checkpoint_file(args.load, layout) if args.load else None
+            resume_path = (checkpointing.checkpoint_file(args.load, layout, args.ckpt_format, args.auto_detect_ckpt_format)
+                           if args.load else None)  # fmt: skip
             checkpointing.check_save_target(args, resume_path)
     tp_group = parallel.tensor_parallel_group()
     if settings.task == "vision":
@@ -227,7 +230,7 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     shape = megatron_shape(config, tp)
     recorded = {**settings.arguments(args), **(data.arguments() if data else {}), **asdict(shape)}
     return Plan(args, settings, task, config, layout, sch, stages, datasets, model_class, metadata_vocab, resume_path,
-                started, data.vocab if data else None, shape, recorded, checkpoint)  # fmt: skip
+                started, data.vocab if data else None, shape, recorded, checkpoint, tied_weights(model))  # fmt: skip
 
 
 def setup(args: argparse.Namespace) -> Run:
@@ -248,7 +251,7 @@ def setup(args: argparse.Namespace) -> Run:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank {where}: {count}", flush=True)
     settings = plan.settings
     metadata = checkpointing.export_metadata(tensors, plan.model_class, settings.task, config, plan.vocab,
-                                             plan.metadata_vocab, args.tensor_model_parallel_size)  # fmt: skip
+                                             plan.metadata_vocab, args.tensor_model_parallel_size, plan.tied)  # fmt: skip
     engine = ENGINES[args.engine](model, args, layout.dp_group, tp_group, plan.shape)
     log_engine_memory(engine.memory_report(), (layout.tp_rank, layout.pp_rank, layout.dp_rank))
     if args.bf16 or args.fp16:
@@ -256,7 +259,7 @@ def setup(args: argparse.Namespace) -> Run:
         print_rank_0(f"> --{dtype} on --engine {args.engine}: {engine.MIXED_PRECISION[dtype]}")
     resume = Resume()
     if resume_path:
-        resume = checkpointing.load(engine, args, layout, resume_path, plan.checkpoint)
+        resume = checkpointing.load(engine, args, layout, resume_path, plan.checkpoint, metadata)
         print_rank_0(f" > loaded checkpoint {resume_path} at iteration {resume.iteration}")
     elif args.load:
         print_rank_0(
@@ -399,6 +402,7 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
     args, layout, state = run.args, run.layout, run.resume
     saved_at = state.iteration if args.load else None
     nan_streak = 0
+    saves = dist_checkpoint.AsyncSaves() if args.async_save else None  # committed between steps once written
     while state.iteration < args.train_iters:
         micro = [next(train_batches) for _ in range(n_micro)]
         if comm:
@@ -411,6 +415,8 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
             result.comm = comm.take()
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
+        if saves:
+            saves.poll()
         if args.log_timers_to_tensorboard and state.iteration % args.tensorboard_log_interval == 0:
             # a collective (max over ranks): every rank calls it, at TensorBoard's interval only
             timers.write(["train-step"], run.reporter.writer, state.iteration, reset=False)
@@ -427,7 +433,7 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
             state.consumed_valid_samples += args.eval_iters * args.global_batch_size
             run.reporter.validation(state.iteration, state.consumed_train_samples, metrics)
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            checkpointing.save(run.engine, args, layout, state, run.metadata, run.recorded)
+            checkpointing.save(run.engine, args, layout, state, run.metadata, run.recorded, saves)
             saved_at = state.iteration
         reason = exits.check()  # a collective when --exit-duration-in-mins / --exit-signal-handler is given
         if not reason and args.exit_interval and state.iteration % args.exit_interval == 0:
@@ -436,7 +442,9 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
             print_rank_0(reason)
             break
     if args.save and saved_at != state.iteration:
-        checkpointing.save(run.engine, args, layout, state, run.metadata, run.recorded)
+        checkpointing.save(run.engine, args, layout, state, run.metadata, run.recorded, saves)
+    if saves:
+        saves.wait()  # the last one is on disk and committed before the run ends
     return state
 
 

@@ -390,6 +390,12 @@ def vocab_parameter_names(model: nn.Module) -> list[str]:
     return sorted(n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids)
 
 
+def tied_weights(model: nn.Module) -> dict[str, str]:
+    """HF's tied weights of ``model`` as built (name -> the name it is tied to; none when the
+    config unties them)."""
+    return dict(getattr(model, "all_tied_weights_keys", None) or {})
+
+
 def pipeline_stages(args: argparse.Namespace, num_layers: int) -> int:
     """How many stages the model is cut into: pipeline ranks x virtual stages per rank."""
     pp, per_virtual = args.pipeline_model_parallel_size, args.num_layers_per_virtual_pipeline_stage

@@ -160,6 +160,11 @@ def _check_pairs(args: argparse.Namespace, problems: Problems) -> None:
         problems.add("give --lr-warmup-fraction or --lr-warmup-iters, not both")
     if args.save_interval and not args.save:
         problems.add("--save-interval needs --save DIR")
+    if args.async_save and args.ckpt_format != "torch_dist":
+        problems.add(f"--async-save needs --ckpt-format torch_dist, not {args.ckpt_format}")
+    if args.ckpt_fully_parallel_load:
+        problems.add("--ckpt-fully-parallel-load is not offered: with torch.distributed.checkpoint every rank reads "
+                     "only the parts of tensors it holds, directly from the files")  # fmt: skip
     if args.finetune and not args.load:
         problems.add("--finetune needs --load DIR")
     if args.load_hf and args.hf_config:

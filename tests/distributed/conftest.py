@@ -24,10 +24,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 def use_layout(tensor_parallel: int) -> None:
-    """(Re)initialise megatron-core's groups with this TP size if they differ; reseeds the RNG."""
+    """(Re)initialise megatron-core's groups with this TP size (and no pipeline parallelism: a
+    run before may have left some) if they differ; reseeds the RNG."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_tensor_model_parallel_world_size() != tensor_parallel:
+    if ps.get_tensor_model_parallel_world_size() != tensor_parallel or ps.get_pipeline_model_parallel_world_size() != 1:
         parallel.initialize(tensor_parallel=tensor_parallel, timeout_minutes=3)
     parallel.seed(1234, ps.get_tensor_model_parallel_rank())
 

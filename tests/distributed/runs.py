@@ -125,3 +125,18 @@ def assert_parity(losses: dict[int, float], expected: dict[int, float], toleranc
     worst = max(abs(losses[i] - expected[i]) for i in expected)
     assert worst < tolerance, (worst, losses, expected)
     assert expected[steps] < expected[1] - 0.1
+
+
+def random_batches(run, seed: int) -> list[dict]:
+    """One step's micro-batches of random tokens (ids below 100) for the built ``run``
+    (``loop.setup``): as many as the global batch gives each data-parallel rank, drawn from
+    ``seed``, which a test makes differ between steps and data-parallel ranks."""
+    import torch
+
+    args = run.args
+    count = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+    generator = torch.Generator().manual_seed(seed)
+    shape = (args.micro_batch_size, args.seq_length)
+    return [{"tokens": torch.randint(0, 100, shape, generator=generator),
+             "labels": torch.randint(0, 100, shape, generator=generator),
+             "loss_mask": torch.ones(shape)} for _ in range(count)]  # fmt: skip

@@ -18,7 +18,7 @@ from megatron_slapo.training.checkpointing import FILENAME, iteration_dir
 from megatron_slapo.training.loop import pretrain
 from tests.distributed.runs import TINY, TP2
 
-RUN = [*TINY, "--train-iters", "1", "--eval-iters", "0"]
+RUN = [*TINY, "--train-iters", "1", "--eval-iters", "0", "--ckpt-format", "torch"]  # the legacy layout's own files
 
 
 @pytest.fixture(scope="module")

@@ -217,7 +217,8 @@ def test_zero3_checkpoint_exports_deepspeeds_own_fp32_weights(shared_tmp, cache)
     from tools import convert_checkpoint
 
     ck, hf = os.path.join(shared_tmp, "ck-zero3-export"), os.path.join(shared_tmp, "hf-zero3-export")
-    pretrain("gpt", [*PARITY, "--train-iters", "3", *ZERO, "3", "--save", ck, "--data-cache-path", cache])
+    pretrain("gpt", [*PARITY, "--train-iters", "3", *ZERO, "3", "--save", ck, "--data-cache-path", cache,
+                     "--ckpt-format", "torch"])  # fmt: skip
     if dist.get_rank() == 0:
         convert_checkpoint.main(["to-hf", "--load", ck, "--save-hf", hf])
     dist.barrier()
@@ -244,7 +245,7 @@ def test_pipeline_checkpoint_exports_the_model_one_process_trains(flags, shared_
     name = request.node.callspec.id
     run = [*MODEL, "--train-iters", "3", *SCHEDULES["gpt"], "--data-cache-path", cache]
     ck, ref = os.path.join(shared_tmp, f"ck-export-{name}"), os.path.join(shared_tmp, f"ck-export-{name}-ref")
-    pretrain("gpt", [*run, *flags, "--save", ck])
+    pretrain("gpt", [*run, *flags, "--save", ck, "--ckpt-format", "torch"])  # the reference saves torch_dist
     single_process_losses("gpt", [*run, "--save", ref], os.path.join(shared_tmp, f"tb-export-{name}-ref"))
     worst = None
     if dist.get_rank() == 0:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.runs import PARITY
+from tests.distributed.runs import PARITY, random_batches
 
 MEGATRON = ["--engine", "megatron"]
 ENGINES = {
@@ -35,21 +35,6 @@ def _setup(flags: list[str], cache: str):
 
     argv = [*PARITY, "--schedule", "gpt_tp", "--lr-warmup-fraction", "0", *flags, "--data-cache-path", cache]
     return setup(parse_args("gpt", argv))  # no warmup: the first step taken has a learning rate
-
-
-def _batches(run) -> list[dict[str, torch.Tensor]]:
-    args = run.args
-    count = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    generator = torch.Generator().manual_seed(dist.get_rank())
-    shape = (args.micro_batch_size, args.seq_length)
-    return [
-        {
-            "tokens": torch.randint(0, 100, shape, generator=generator),
-            "labels": torch.randint(0, 100, shape, generator=generator),
-            "loss_mask": torch.ones(shape),
-        }
-        for _ in range(count)
-    ]
 
 
 def _weights(run, directory: str) -> dict[str, torch.Tensor]:
@@ -85,7 +70,7 @@ def _same_everywhere(value) -> bool:
 def test_a_poisoned_step_is_skipped_on_every_rank(flags, shared_tmp, request):
     run = _setup(flags, os.path.join(shared_tmp, "cache"))
     directory = os.path.join(shared_tmp, f"nonfinite-{request.node.callspec.id}")
-    batches = _batches(run)
+    batches = random_batches(run, dist.get_rank())
     before = _weights(run, directory)
     poisoned = run.engine.train_step(batches, _Poisoned(run.task))
     after = _weights(run, directory)
@@ -114,7 +99,7 @@ def test_distributed_optimizer_skips_on_an_overflow_only_one_shard_sees(shared_t
 
     handle = wte.register_hook(poison) if dist.get_rank() == dist.get_world_size() + LAST else None
     before = _weights(run, directory)
-    result = run.engine.train_step(_batches(run), run.task)
+    result = run.engine.train_step(random_batches(run, dist.get_rank()), run.task)
     if handle:
         handle.remove()
     after = _weights(run, directory)

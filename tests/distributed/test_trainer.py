@@ -99,8 +99,9 @@ def test_resume_continues_with_the_same_losses(shared_tmp, cache, case):
 
 
 def test_a_pipeline_run_loads_the_weights_of_a_checkpoint_saved_without_pipeline(shared_tmp, cache, rank, capsys):
+    """The legacy format (torch_dist loads at any layout, optimizer included: tests/test_reshard.py)."""
     run = [*TINY, "--num-layers", "4", "--log-interval", "1", "--eval-iters", "0", "--hidden-dropout", "0",
-           "--attention-dropout", "0", "--data-cache-path", cache]  # fmt: skip
+           "--attention-dropout", "0", "--data-cache-path", cache, "--ckpt-format", "torch"]  # fmt: skip
     ck, tb = os.path.join(shared_tmp, "ck-pp1"), os.path.join(shared_tmp, "tb-pp-from-pp1")
     pretrain("gpt", [*run, "--train-iters", "2", "--save", ck])
     with pytest.raises(SystemExit):  # its optimizer state holds no stage's parameters in Megatron's order
@@ -185,18 +186,31 @@ def test_train_gpt_and_bert_on_preprocessed_jsonl(preprocessed, shared_tmp):
     assert len(sop) == 30
 
 
-def test_hf_export_of_a_tp2_checkpoint_reproduces_the_logits(shared_tmp, cache, rank):
-    ck, hf = os.path.join(shared_tmp, "ck-export"), os.path.join(shared_tmp, "hf-export")
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_hf_export_of_a_tp2_checkpoint_reproduces_the_logits(ckpt_format, shared_tmp, cache, rank):
+    ck, hf = os.path.join(shared_tmp, f"ck-export-{ckpt_format}"), os.path.join(shared_tmp, f"hf-export-{ckpt_format}")
     # 4096 tokens padded to a multiple of 100 x 2: 104 dummy rows that export must drop.
     pretrain("gpt", [*TP2, *TINY, "--train-iters", "3", "--eval-iters", "0", "--make-vocab-size-divisible-by", "100",
-                     "--save", ck, "--data-cache-path", cache])  # fmt: skip
+                     "--save", ck, "--data-cache-path", cache, "--ckpt-format", ckpt_format])  # fmt: skip
     if rank == 0:
-        convert_checkpoint.main(["to-hf", "--load", ck, "--save-hf", hf])
+        convert_checkpoint.main(["to-hf", "--load", ck, "--save-hf", hf])  # torch_dist: one process, no group used
     dist.barrier()
+    shards, round_trip = ck, True
+    if ckpt_format == "torch_dist":  # the run's TP shards, each rank reading its own out of the global tensors
+        shards, again = ck + "-torch", ck + "-again"
+        convert_checkpoint.main(["to-torch", "--load", ck, "--save", shards, "--schedule", "gpt_tp",
+                                 "--tensor-model-parallel-size", "2"])  # fmt: skip
+        convert_checkpoint.main(["to-torch-dist", "--load", shards, "--save", again])  # and back to the same tensors
+        if rank == 0:
+            convert_checkpoint.main(["to-hf", "--load", again, "--save-hf", again + "-hf"])
+            a = transformers.GPT2LMHeadModel.from_pretrained(hf).state_dict()
+            b = transformers.GPT2LMHeadModel.from_pretrained(again + "-hf").state_dict()
+            round_trip = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        dist.barrier()
 
     use_layout(2)
     state = checkpointing.read(
-        os.path.join(checkpointing.iteration_dir(ck, 3), f"mp_rank_{rank:02d}", "model_optim_rng.pt")
+        os.path.join(checkpointing.iteration_dir(shards, 3), f"mp_rank_{rank:02d}", "model_optim_rng.pt")
     )
     config = transformers.GPT2Config.from_dict(json.loads(state["slapo"]["hf_config"]))
     assert config.vocab_size == 4200 and state["slapo"]["vocab"]["true"] == 4096
@@ -212,6 +226,7 @@ def test_hf_export_of_a_tp2_checkpoint_reproduces_the_logits(shared_tmp, cache, 
     with torch.no_grad():
         logits = gather_tensor(trained.eval()(ids).logits, -1, sch.group)[..., :4096]
         assert max_diff(exported(ids).logits, logits) < 1e-5
+    assert round_trip
 
 
 def _trained_statistics(model):
@@ -249,7 +264,7 @@ def test_hf_to_tp2_checkpoint_and_back(case, shared_tmp, rank):
         make().save_pretrained(original_dir)
     dist.barrier()
     convert_checkpoint.main(["from-hf", "--load-hf", original_dir, "--save", ck, "--schedule", schedule,
-                             "--tensor-model-parallel-size", "2"])  # fmt: skip
+                             "--tensor-model-parallel-size", "2", "--ckpt-format", "torch"])  # fmt: skip
     if rank == 0:
         convert_checkpoint.main(["to-hf", "--load", ck, "--save-hf", back])
     dist.barrier()
@@ -388,7 +403,7 @@ def test_load_hf_starts_from_pretrained_weights(shared_tmp, cache, rank):
     # --hf-config: the same directory's shape (not the embedded run's 4 layers of 256), freshly initialised
     shaped = os.path.join(shared_tmp, "ck-hf-config")
     pretrain("gpt", [*TP2, "--hf-config", hf, "--micro-batch-size", "4", "--train-iters", "1", "--eval-iters", "0",
-                     "--data-cache-path", cache, "--save", shaped])  # fmt: skip
+                     "--data-cache-path", cache, "--save", shaped, "--ckpt-format", "torch"])  # fmt: skip
     state = checkpointing.read(os.path.join(checkpointing.iteration_dir(shaped, 1), f"mp_rank_{rank:02d}",
                                             checkpointing.FILENAME))  # fmt: skip
     config = json.loads(state["slapo"]["hf_config"])

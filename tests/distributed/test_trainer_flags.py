@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
-from megatron_slapo.training import checkpointing
+from megatron_slapo.training import checkpointing, dist_checkpoint
 from megatron_slapo.training.exit_conditions import ExitConditions
 from megatron_slapo.training.loop import pretrain
 from megatron_slapo.training.reporting import Reporter
@@ -33,13 +34,16 @@ def test_saves_and_arguments_are_logged_and_no_save_rng_needs_no_load_rng(shared
         assert "------------------------ arguments ------------------------" in out
         assert f"\n  train_iters {'.' * 37} 2\n" in out and "-------------------- end of arguments" in out
         for it in (1, 2):
-            saving = f"saving checkpoint at iteration {it:7d} to {ck}\n  successfully saved checkpoint at iteration {it:7d} to {ck}\n"
+            saving = (f"saving checkpoint at iteration {it:7d} to {ck} in torch_dist format\n  successfully saved "
+                      f"checkpoint at iteration {it:7d} to {ck}\n")  # fmt: skip
             assert saving in out, out[-3000:]
     else:
         assert "saving checkpoint" not in out and "-- arguments --" not in out  # rank 0 only, as Megatron
-    state = checkpointing.read(os.path.join(checkpointing.iteration_dir(ck, 2), "mp_rank_00", checkpointing.FILENAME))
-    assert "rng_state" not in state and state["iteration"] == 2
-    assert "model" in state and not {"optimizer", "opt_param_scheduler"} & set(state), sorted(state)
+    root = checkpointing.iteration_dir(ck, 2)
+    common = dist_checkpoint.read_common(root)
+    assert "rng_state" not in common and common["iteration"] == 2 and not common["has_optimizer"]
+    saved = dcp.FileSystemReader(root).read_metadata().state_dict_metadata
+    assert any(k.startswith("model.") for k in saved) and not any(k.startswith("optimizer.") for k in saved)
     with pytest.raises(SystemExit):
         pretrain("gpt", run_args(cache, "--train-iters", "3", "--load", ck))
     err = capsys.readouterr().err
