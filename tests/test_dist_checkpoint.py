@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed.checkpoint as dcp
 
 from megatron_slapo import parallel
@@ -91,6 +92,26 @@ def test_a_checkpoint_of_another_shape_names_the_first_tensor_that_differs(ck, c
     message = refused([*argv[: argv.index("--hidden-size") + 1], "64", *argv[argv.index("--hidden-size") + 2 :]],
                       capsys, ck)  # fmt: skip
     assert "model.transformer.wte.weight of shape" in message and "this model's is" in message
+
+
+def test_non_finite_values_are_refused(tmp_path, capsys, monkeypatch):
+    """A checkpoint whose weights hold a NaN (saved so here by spoiling one box as it is written)."""
+    ck, spoiled_key = tmp_path / "ck", "model.transformer.h.0.mlp.c_fc.weight"
+    pieces_of = dist_checkpoint.pieces_of
+
+    def spoiled(*args):
+        pieces = pieces_of(*args)
+        box, t = pieces[spoiled_key][1][0]
+        pieces[spoiled_key][1][0] = (box, torch.full_like(t, float("nan")))
+        return pieces
+
+    monkeypatch.setattr(dist_checkpoint, "pieces_of", spoiled)
+    pretrain("gpt", [*RUN, *FIVE, "--save", str(ck), "--exit-interval", "1"])
+    parallel.destroy()
+    monkeypatch.undo()
+    capsys.readouterr()  # the saving run's output
+    message = refused([*RUN, *FIVE, "--load", str(ck)], capsys, ck)
+    assert f"holds non-finite values in {spoiled_key}" in message
 
 
 @pytest.mark.parametrize(
