@@ -122,8 +122,7 @@ def main(argv: list[str] | None = None) -> None:
         args = parse_args("gpt", [*rest, "--train-iters", "1", "--eval-iters", "0", "--log-interval", "1"], prog=prog)
         run = setup(args)
     train(run)  # one step: the optimizer's state exists
-    base = ours.dir or tempfile.mkdtemp(prefix="bench-checkpoint-")
-    box = [base]
+    box = [ours.dir or (tempfile.mkdtemp(prefix="bench-checkpoint-") if dist.get_rank() == 0 else None)]
     dist.broadcast_object_list(box, src=0)  # every rank writes under rank 0's directory
     samples = measure(run, box[0], ours.repeats)
     run.reporter.close()

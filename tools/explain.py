@@ -100,12 +100,12 @@ def main(argv: list[str] | None = None) -> None:
     with error_report.user_errors("explain.py"):
         if ours.json:
             check_output_file("--json", ours.json)
+        args = parse_args(ours.task, rest, prog="explain.py")
         if ours.world_size is not None:
             world = ours.world_size
         elif "WORLD_SIZE" in os.environ:
             world = int(os.environ["WORLD_SIZE"])
         else:
-            args = parse_args(ours.task, rest, prog="explain.py")
             world = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
         if not 1 <= world <= MAX_WORLD_SIZE:
             raise ConfigError(f"--world-size {world} must lie between 1 and {MAX_WORLD_SIZE}: beyond it, laying out "
@@ -115,9 +115,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"> laying out the process groups of {world} ranks (megatron-core makes every rank's): this takes "
                   "a while", flush=True)  # fmt: skip
         estimates = [estimate(ours.task, rest, world, rank) for rank in ranks]
+        loading = checkpointing.describe_load(args.load, args, world) if args.load else None
     print(report(estimates, world))
-    args = parse_args(ours.task, rest, prog="explain.py")
-    loading = checkpointing.describe_load(args.load, args, world) if args.load else None
     if loading:
         print(f"Checkpoint to load: {loading}")
     if ours.json:

@@ -2,10 +2,12 @@
 
 The trainer hands an engine the built model and the arguments, then only ever asks it to run one
 training step over a list of micro-batches, to evaluate, and for its state (for checkpoints).
-Checkpoint state comes in two parts: ``state_dict`` returns what goes into Megatron's
-``model_optim_rng.pt`` (always the full TP-local weights of this rank's pipeline stages, never a
-data-parallel partition, so that export and resharding work for every engine), and an engine whose optimizer is partitioned across ranks (ZeRO, FSDP)
-additionally writes its own files into the iteration's directory.
+Checkpoint state: for ``--ckpt-format torch_dist`` (the default), ``sharded_state`` describes what
+this rank holds of each weight and AdamW moment, in place, and ``load_sharded_state`` loads into
+the same tensors (:mod:`~megatron_slapo.engines.sharded_state`); for the legacy ``torch`` format,
+``state_dict`` returns what goes into Megatron's ``model_optim_rng.pt`` (the full TP-local weights
+of this rank's pipeline stages), and an engine whose optimizer is partitioned across ranks (ZeRO,
+FSDP) additionally writes its own files into the iteration's directory.
 Everything engine-specific (wrapping, gradient reduction, optimizer, LR schedule, loss scaling)
 stays behind this interface, so the trainer is the same for every engine.
 """

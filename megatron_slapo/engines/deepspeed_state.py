@@ -151,13 +151,8 @@ class _Partitions:
 
     def create_moments(self) -> None:
         """AdamW's state over the flat fp32 partitions, zero, where it has none yet (DeepSpeed
-        hands AdamW its partitions only for the step, so ``init_adam_state`` cannot see them)."""
-        for flat in self.optimizer.fp32_partitioned_groups_flat:
-            state = self.adam.state[flat]
-            if "exp_avg" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32, device=flat.device)
-                state["exp_avg"] = torch.zeros_like(flat)
-                state["exp_avg_sq"] = torch.zeros_like(flat)
+        hands AdamW its partitions only for the step: they are not in its parameter groups now)."""
+        init_adam_state(self.adam, list(self.optimizer.fp32_partitioned_groups_flat))
 
     def commit(self) -> None:
         """Set what :meth:`params` handed out (in place already, unless DeepSpeed gave copies), copy

@@ -101,16 +101,16 @@ def whole(model: nn.Module, optimizer_state: Callable[[torch.Tensor], dict[str, 
     return EngineState(params)
 
 
-def init_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give every parameter of a torch Adam(W) its state (zero moments, step 0) if it has none yet,
-    so that a checkpoint can be loaded into it in place before the first step."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if "exp_avg" not in state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+def init_adam_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor] | None = None) -> None:
+    """Give every parameter of a torch Adam(W) (or ``params``: those it steps, where it is handed
+    them only for the step) its state (zero moments, step 0) if it has none yet, so that a
+    checkpoint can be loaded into it in place before the first step."""
+    for p in params if params is not None else [p for group in optimizer.param_groups for p in group["params"]]:
+        state = optimizer.state[p]
+        if "exp_avg" not in state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def adam_step(optimizer: torch.optim.Optimizer) -> float:

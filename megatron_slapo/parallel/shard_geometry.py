@@ -102,7 +102,7 @@ def run_boxes(shape: tuple[int, ...], start: int, end: int) -> list[tuple[Box, i
 def global_pieces(placement: Placement, data: torch.Tensor, start: int) -> list[tuple[Box, torch.Tensor]]:
     """The boxes of the global tensor that ``data`` (elements ``[start, start + numel)`` of the
     TP-local tensor flattened) covers, each with the view of ``data`` holding it."""
-    flat = data.reshape(-1)
+    flat = data.view(-1)  # contiguous (a Run's rule): a copy would lose what is loaded into it
     dim = placement.partition[0] if placement.partition is not None else 0
     pieces = []
     for (offsets, sizes), first in run_boxes(placement.local_shape, start, start + flat.numel()):

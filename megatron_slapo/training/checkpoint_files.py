@@ -18,7 +18,10 @@ import shutil
 from dataclasses import dataclass
 from typing import Any
 
+import torch.distributed as dist
+
 from megatron_slapo.errors import CheckpointError
+from megatron_slapo.training import checkpoint_integrity as integrity
 
 LATEST = "latest_checkpointed_iteration.txt"
 
@@ -112,3 +115,27 @@ def saved_iterations(save_dir: str) -> list[int]:
     names = os.listdir(save_dir) if os.path.isdir(save_dir) else []
     found = (re.fullmatch(r"iter_(\d{7})(\.old)?", name) for name in names)
     return sorted({int(match.group(1)) for match in found if match and os.path.isdir(os.path.join(save_dir, match[0]))})
+
+
+def start_save(save_dir: str, iteration: int) -> str:
+    """Rank 0 makes ``iter_N.tmp`` empty (a save of N killed between its renames put back first);
+    every rank waits for it. Returns its path. Collective: every rank calls it."""
+    tmp = iteration_dir(save_dir, iteration) + ".tmp"
+    if dist.get_rank() == 0:
+        restore_interrupted(save_dir, iteration)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    return tmp
+
+
+def finish_save(save_dir: str, iteration: int, checksums: dict[str, str]) -> None:
+    """Once every rank has written its files into ``iter_N.tmp``: rank 0 records all ranks'
+    ``checksums`` (path relative to it -> digest) and commits the iteration. Collective."""
+    shares: list[dict[str, str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, checksums)
+    if dist.get_rank() == 0:
+        tmp = iteration_dir(save_dir, iteration) + ".tmp"
+        integrity.write_checksums(tmp, {k: v for share in shares if share for k, v in share.items()})
+        commit(save_dir, iteration)
+    dist.barrier()

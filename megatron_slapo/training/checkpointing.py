@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 from typing import Any
 
 import torch
@@ -44,12 +43,12 @@ from megatron_slapo.training import dist_checkpoint
 from megatron_slapo.training.checkpoint_files import (
     LATEST,
     Resume,
-    commit,
     committed_dir,
+    finish_save,
     iteration_dir,
     latest_iteration,
-    restore_interrupted,
     saved_iterations,
+    start_save,
     write_file,
 )
 from megatron_slapo.training.model import Vocabulary
@@ -107,17 +106,9 @@ def save(engine: Engine, args: argparse.Namespace, layout: Layout, resume: Resum
             "consumed_valid_samples": resume.consumed_valid_samples, "slapo": metadata,
             "layout": dist_checkpoint.layout_record(args, dist.get_world_size()),
         }  # fmt: skip
-        if not getattr(args, "no_save_rng", False):
-            common["rng_state"] = rng_state()
         return dist_checkpoint.save(engine, args, layout, common, dist_checkpoint.Identity.of(metadata), asynchronous)
-    final = iteration_dir(args.save, resume.iteration)
-    tmp = final + ".tmp"
     _print_rank_0(f"saving checkpoint at iteration {resume.iteration:7d} to {args.save}")
-    if dist.get_rank() == 0:
-        restore_interrupted(args.save, resume.iteration)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
+    tmp = start_save(args.save, resume.iteration)
     rng = None
     if not getattr(args, "no_save_rng", False):
         rng = [None] * dist.get_world_size(layout.dp_group)
@@ -135,21 +126,16 @@ def save(engine: Engine, args: argparse.Namespace, layout: Layout, resume: Resum
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_file(path, lambda f: torch.save(state, f))
     dist.barrier()
-    shares: list[dict[str, str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, integrity.checksum_share(tmp))  # each rank hashes a share of the files
-    if dist.get_rank() == 0:
-        integrity.write_checksums(tmp, {name: digest for share in shares if share for name, digest in share.items()})
-        commit(args.save, resume.iteration)
-    dist.barrier()
+    finish_save(args.save, resume.iteration, integrity.checksum_share(tmp))  # each rank hashes a share of the files
     _print_rank_0(f"  successfully saved checkpoint at iteration {resume.iteration:7d} to {args.save}")
-    return final
+    return iteration_dir(args.save, resume.iteration)
 
 
 def check_save_target(args: argparse.Namespace, resume_path: str | None) -> None:
     """Refuse, before any compute, a ``--save`` this run cannot write, or one holding iterations it
     would overwrite (or leave behind ``latest``) without having loaded them: a run resuming
     (``--load`` the same directory, no ``--finetune``) continues that history; any other start
-    needs ``--overwrite-checkpoints`` there. ``resume_path``: the file the run will load, if any."""
+    needs ``--overwrite-checkpoints`` there. ``resume_path``: what the run will load, if any."""
     if not args.save:
         return
     check_output_dir("--save", args.save)
@@ -280,7 +266,8 @@ def _check(state: dict[str, Any], args: argparse.Namespace, layout: Layout, path
 
 
 def read_checked(args: argparse.Namespace, layout: Layout, path: str | None, num_layers: int) -> dict[str, Any] | None:
-    """This rank's checkpoint file ``path`` (None: nothing to read), verified against its checksums
+    """This rank's checkpoint file ``path`` (None: nothing to read; a ``torch_dist`` iteration
+    directory: its common state, see :func:`dist_checkpoint.read_checked`), verified against its checksums
     and checked to fit this run (``num_layers``: its model depth) and its flags, before anything is
     built; the iteration's other files (the engines') are verified too, shared out among the ranks.
     Collective: every rank calls it, and a problem any rank finds is raised on every rank."""
@@ -288,7 +275,7 @@ def read_checked(args: argparse.Namespace, layout: Layout, path: str | None, num
         if path is None:
             return None
         if os.path.isdir(path):  # a torch_dist checkpoint: what every rank reads is its common state
-            return dist_checkpoint.read_checked(args, layout, path, num_layers)
+            return dist_checkpoint.read_checked(args, path, num_layers)
         state = read(path)
         root = os.path.dirname(os.path.dirname(path))
         own = {os.path.join(d, FILENAME) for d in os.listdir(root) if d.startswith("mp_rank_")}

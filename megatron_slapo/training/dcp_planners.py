@@ -17,7 +17,6 @@ torch's DCP. Writing to DCP directly keeps one layer between our shards and the 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -73,7 +72,7 @@ class PieceSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
-        return self.data[dataclasses.replace(write_item.index, index=None)]
+        return self.data[write_item.index]  # MetadataIndex compares its fqn and offset, not its index hint
 
 
 class PieceLoadPlanner(DefaultLoadPlanner):

@@ -19,7 +19,7 @@ tensor-, pipeline- or data-parallel size and on another engine, nothing ever gat
 rank. The RNG states are restored only at the layout that saved them (they are per rank).
 
 The iteration is written into ``iter_N.tmp`` and committed as in the ``torch`` format
-(:func:`~megatron_slapo.training.checkpointing.commit`, checksums included). With ``--async-save``
+(:func:`~megatron_slapo.training.checkpoint_files.commit`, checksums included). With ``--async-save``
 the tensors are copied to the CPU, the step loop goes on while a background thread writes them,
 and the commit (which alone moves ``latest``) happens once every rank's files are durable
 (:class:`AsyncSaves`): a run killed mid-save resumes from the checkpoint before.
@@ -28,10 +28,8 @@ and the commit (which alone moves ``latest``) happens once every rank's files ar
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
-import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -48,9 +46,9 @@ from megatron_slapo.parallel.collectives import comm_device
 from megatron_slapo.parallel.shard_geometry import Placement, global_pieces
 from megatron_slapo.parallel.state import Layout
 from megatron_slapo.training import checkpoint_integrity as integrity
-from megatron_slapo.training.checkpoint_files import Resume, commit, iteration_dir, restore_interrupted
+from megatron_slapo.training.checkpoint_files import Resume, finish_save, iteration_dir, start_save
 from megatron_slapo.training.dcp_planners import PieceLoadPlanner, Pieces, PieceSavePlanner
-from megatron_slapo.training.rng_state import set_rng_state
+from megatron_slapo.training.rng_state import rng_state, set_rng_state
 
 FORMAT_FILE = "metadata.json"  # Megatron-LM's: names the backend of a distributed checkpoint
 COMMON = "common.pt"
@@ -61,10 +59,11 @@ BACKEND = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "commo
 def is_dist_checkpoint(root: str) -> bool:
     """Whether the iteration directory ``root`` holds a ``torch_dist`` checkpoint."""
     path = os.path.join(root, FORMAT_FILE)
-    if not os.path.isfile(path):
-        return False
+    if not os.path.isfile(path):  # a copy that lost it is still DCP's if its metadata is there
+        return os.path.isfile(os.path.join(root, ".metadata"))
     try:
-        return json.load(open(path)).get("sharded_backend") == "torch_dist"
+        with open(path) as f:
+            return json.load(f).get("sharded_backend") == "torch_dist"
     except (OSError, ValueError):
         return False
 
@@ -110,28 +109,12 @@ def pieces_of(state: EngineState, layout: Layout, identity: Identity) -> Pieces:
     return out
 
 
-def _own_files(root: str, rank: int) -> list[str]:
-    """The files of ``root`` this rank wrote: its DCP data files, and rank 0's metadata and common state."""
-    files = [os.path.basename(f) for f in glob.glob(os.path.join(root, f"__{rank}_*.distcp"))]
-    return sorted(files + ([".metadata", COMMON, FORMAT_FILE] if rank == 0 else []))
-
-
 def _write(root: str, pieces: Pieces, balanced: bool, group: dist.ProcessGroup | None) -> dict[str, str]:
-    """Write this rank's boxes into ``root`` (collective over ``group``); the checksums of its files."""
+    """Write this rank's boxes into ``root`` (collective over ``group``); then, every rank's files
+    being written (DCP's save ends in a collective), the checksums of this rank's share of them."""
     writer = dcp.FileSystemWriter(root, sync_files=True)
     dcp.save({}, storage_writer=writer, planner=PieceSavePlanner(pieces, balanced), process_group=group)
-    return {name: integrity.sha256(os.path.join(root, name)) for name in _own_files(root, dist.get_rank())}
-
-
-def _finish(save_dir: str, iteration: int, checksums: dict[str, str]) -> None:
-    """Once every rank's files are written: the checksums and the commit (rank 0). Collective."""
-    shares: list[dict[str, str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, checksums)
-    if dist.get_rank() == 0:
-        tmp = iteration_dir(save_dir, iteration) + ".tmp"
-        integrity.write_checksums(tmp, {k: v for share in shares if share for k, v in share.items()})
-        commit(save_dir, iteration)
-    dist.barrier()
+    return integrity.checksum_share(root)
 
 
 class AsyncSaves:
@@ -144,8 +127,8 @@ class AsyncSaves:
         self.pending: tuple[Future, str, int] | None = None
 
     def start(self, save_dir: str, iteration: int, pieces: Pieces, balanced: bool) -> None:
-        """Copy ``pieces`` to the CPU and write them in the background (collective: every rank)."""
-        self.wait()
+        """Copy ``pieces`` to the CPU and write them in the background (collective: every rank;
+        :func:`save` has committed the save before)."""
         if self.group is None:
             self.group = dist.new_group(backend="gloo")
         copies: Pieces = {k: (shape, [(box, t.detach().to("cpu", copy=True)) for box, t in boxes])
@@ -169,30 +152,26 @@ class AsyncSaves:
             return
         future, save_dir, iteration = self.pending
         self.pending = None
-        _finish(save_dir, iteration, future.result())
+        finish_save(save_dir, iteration, future.result())
         if dist.get_rank() == 0:
             print(f"  successfully saved checkpoint at iteration {iteration:7d} to {save_dir} (async)", flush=True)
 
 
 def save(engine: Engine, args: argparse.Namespace, layout: Layout, common: dict[str, Any], identity: Identity,
          asynchronous: AsyncSaves | None = None) -> str:  # fmt: skip
-    """Write iteration ``common["iteration"]`` to ``args.save``: ``common`` (rank 0's, plus every
-    rank's RNG state gathered here) into ``common.pt``, the engine's tensors by DCP; committed now,
-    or by ``asynchronous`` once written. Collective: every rank calls it."""
+    """Write iteration ``common["iteration"]`` to ``args.save``: ``common`` (rank 0's, with the
+    engine's scalars and every rank's RNG state gathered here) into ``common.pt``, the engine's
+    tensors by DCP; committed now, or by ``asynchronous`` once written. Collective."""
     iteration = common["iteration"]
-    final = iteration_dir(args.save, iteration)
-    tmp = final + ".tmp"
     if asynchronous is not None:
         asynchronous.wait()  # the one before is committed before this one starts
     if dist.get_rank() == 0:
         print(f"saving checkpoint at iteration {iteration:7d} to {args.save} in torch_dist format", flush=True)
-        restore_interrupted(args.save, iteration)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
+    tmp = start_save(args.save, iteration)
     state = engine.sharded_state(include_optimizer=not args.no_save_optim)
     rng: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(rng, common.pop("rng_state", None))
+    if not args.no_save_rng:  # every rank's, kept by rank 0 (restored at the same layout only)
+        dist.all_gather_object(rng, rng_state())
     if dist.get_rank() == 0:
         full = {**common, "scalars": state.scalars, "has_optimizer": not args.no_save_optim}
         if not args.no_save_rng:
@@ -205,11 +184,11 @@ def save(engine: Engine, args: argparse.Namespace, layout: Layout, common: dict[
     balanced = args.ckpt_fully_parallel_save
     if asynchronous is not None:
         asynchronous.start(args.save, iteration, pieces, balanced)
-        return final
-    _finish(args.save, iteration, _write(tmp, pieces, balanced, None))
+        return iteration_dir(args.save, iteration)
+    finish_save(args.save, iteration, _write(tmp, pieces, balanced, None))
     if dist.get_rank() == 0:
         print(f"  successfully saved checkpoint at iteration {iteration:7d} to {args.save}", flush=True)
-    return final
+    return iteration_dir(args.save, iteration)
 
 
 def read_common(root: str) -> dict[str, Any]:
@@ -239,7 +218,8 @@ def _check_shapes(pieces: Pieces, saved: dict[str, Any], root: str) -> None:
 def _check_finite(pieces: Pieces, root: str) -> None:
     """Refuse non-finite values among those this rank loaded (the ranks together check them all)."""
     for key, (_, boxes) in pieces.items():
-        if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for _, t in boxes):
+        finite = [torch.isfinite(t).all() for _, t in boxes if t.is_floating_point()]
+        if finite and not bool(torch.stack(finite).all()):  # one device sync per tensor
             raise CheckpointError(f"{root} holds non-finite values in {key}: it was saved from a diverged run; "
                                   "load an earlier iteration")  # fmt: skip
 
@@ -302,14 +282,16 @@ def _same_ranks(saved: dict[str, Any], here: dict[str, Any]) -> bool:
     return all(saved.get(k) == here.get(k) for k in ("tensor", "pipeline", "data", "virtual"))
 
 
-def read_checked(args: argparse.Namespace, layout: Layout, root: str, num_layers: int) -> dict[str, Any]:
+def read_checked(args: argparse.Namespace, root: str, num_layers: int) -> dict[str, Any]:
     """The checkpoint's common state, checked against this run (``num_layers``: its depth) and its
     flags before anything is built; every rank verifies a share of the iteration's files."""
     common = read_common(root)
     integrity.verify_share(root, skip={COMMON})
     load_optimizer = not (args.finetune or args.no_load_optim)
     integrity.check_finite(
-        {"scalars": common.get("scalars")}, os.path.join(root, COMMON), with_optimizer=load_optimizer
+        {"scalars": common.get("scalars"), "args": common.get("args")},
+        os.path.join(root, COMMON),
+        with_optimizer=load_optimizer,
     )
     saved_layers = json.loads(common["args"]).get("num_layers") if isinstance(common.get("args"), str) else None
     if saved_layers not in (None, num_layers):

@@ -135,7 +135,7 @@ class Plan:
     vocab: Vocabulary | None  # None for an image model
     shape: ModelShape
     recorded: dict[str, Any]  # the arguments as the run uses them: the checkpoint's Megatron ``args``
-    checkpoint: dict[str, Any] | None = None  # this rank's file of resume_path, read and checked
+    checkpoint: dict[str, Any] | None = None  # resume_path read and checked (torch_dist: its common state)
     tied: dict[str, str] = field(default_factory=dict)  # HF's tied weights: name -> the name it is tied to
 
 
@@ -415,7 +415,7 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
             result.comm = comm.take()
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
-        if saves:
+        if saves and state.iteration % args.log_interval == 0:  # an all-reduce: not every step
             saves.poll()
         if args.log_timers_to_tensorboard and state.iteration % args.tensorboard_log_interval == 0:
             # a collective (max over ranks): every rank calls it, at TensorBoard's interval only
