@@ -25,13 +25,24 @@ from torch import nn
 from megatron_slapo.errors import SchedulingError
 from megatron_slapo.graph_edit import why_never_called
 from megatron_slapo.init_tree import init_tree, originals_see_live, units
-from megatron_slapo.materialize import InitFn, Materializer
+from megatron_slapo.materialize import InitFn, Materializer, Slicing
 from megatron_slapo.metadata import Role
 from megatron_slapo.parallel.collectives import comm_device
 from megatron_slapo.parallel.random import get_rng_tracker
 from megatron_slapo.primitives.compile import apply_compiles
 from megatron_slapo.primitives.placement import linear_axes
 from megatron_slapo.schedule import Schedule
+
+
+def _slicings(node: Schedule) -> dict[str, Slicing]:
+    """How each tensor ``node`` sliced is cut from its whole: experts first, then features."""
+    found = {}
+    for name in {**node.metadata.expert_shards, **node.metadata.shards}:
+        expert, spec = node.metadata.expert_shards.get(name), node.metadata.shards.get(name)
+        steps = ((0, 1, expert.rank, expert.size),) if expert else ()
+        steps += ((spec.axis, spec.stride, node.rank, node.world_size),) if spec else ()
+        found[name] = Slicing(expert.full_shape if expert else spec.full_shape, steps)
+    return found
 
 
 def build(
@@ -61,11 +72,8 @@ def build(
     seed = agreed_seed(seed)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    shards = {
-        id(node._tensor(name)): (spec, node.rank, node.world_size)
-        for _, node in sch.named_schedules()
-        for name, spec in node.metadata.shards.items()
-    }
+    shards = {id(node._tensor(name)): slicing for _, node in sch.named_schedules()
+              for name, slicing in _slicings(node).items()}  # fmt: skip
     cut = any(node.metadata.pipeline_cut for _, node in sch.named_schedules())
     keep = None
     if cut and stages is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +31,6 @@ from megatron_slapo.compat.transformers_internals import (
 )
 from megatron_slapo.errors import SchedulingError
 from megatron_slapo.init_tree import InitNode
-from megatron_slapo.metadata import ShardSpec
 from megatron_slapo.parallel.layout import shard_slice
 
 InitFn = Callable[[nn.Module], None]
@@ -96,6 +96,15 @@ def _blank(shape: torch.Size, template: torch.Tensor) -> torch.Tensor:
     return nn.Parameter(t, requires_grad=template.requires_grad) if isinstance(template, nn.Parameter) else t
 
 
+@dataclass(frozen=True)
+class Slicing:
+    """How a tensor initialised whole becomes this rank's piece: the whole's shape, then the slices
+    taken in turn, each ``(axis, stride, rank, world)`` (an expert-parallel one before a tensor-parallel one)."""
+
+    full_shape: torch.Size
+    steps: tuple[tuple[int, int, int, int], ...]
+
+
 class Materializer:
     """Gives the meta tensors of a model memory, unit by unit (see :meth:`run_unit`)."""
 
@@ -104,7 +113,7 @@ class Materializer:
         root: nn.Module,
         tree: InitNode,
         init_weights: bool | InitFn,
-        shards: dict[int, tuple[ShardSpec, int, int]],
+        shards: dict[int, Slicing],
         device: torch.device,
     ) -> None:
         self.root, self.tree, self.init_weights, self.shards, self.device = root, tree, init_weights, shards, device
@@ -180,7 +189,7 @@ class Materializer:
             t = slot.tensor
             if id(t) not in work:
                 spec = self.shards.get(id(t))
-                work[id(t)] = _blank(spec[0].full_shape if spec else t.shape, t)
+                work[id(t)] = _blank(spec.full_shape if spec else t.shape, t)
                 self.blank_storage[id(work[id(t)])] = _storage(work[id(t)])
             slot.table[slot.key] = work[id(t)]
         self.tracker.written.clear()
@@ -231,16 +240,15 @@ class Materializer:
                 f"{where} was not initialised by the model's init function; "
                 "pass build(..., init_weights=fn) with an initialiser for it"
             )
-        expected = spec[0].full_shape if spec else original.shape
+        expected = spec.full_shape if spec else original.shape
         if full.shape != expected or full.dtype != original.dtype:
             raise SchedulingError(
                 f"the init function replaced {where} with a {full.dtype} tensor of shape {tuple(full.shape)}; "
                 f"it must keep {original.dtype} and shape {tuple(expected)} (write into it instead)"
             )
         data = full.detach()
-        if spec is not None:
-            shard, rank, world = spec
-            data = shard_slice(data, shard.axis, shard.stride, rank, world)
+        for axis, stride, rank, world in spec.steps if spec is not None else ():
+            data = shard_slice(data, axis, stride, rank, world)
         data = data.to(self.device).contiguous()
         new = nn.Parameter(data, requires_grad=original.requires_grad) if isinstance(original, nn.Parameter) else data
         new.__dict__.update(original.__dict__)  # annotations and Megatron's TP attributes

@@ -32,11 +32,22 @@ class ShardSpec:
     explicit: bool  # False when it was sharded through a tied parameter held by another module
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """This rank's routed experts of a tensor holding every expert along dim 0 (expert parallelism):
+    experts ``[rank * n, (rank + 1) * n)`` of ``full_shape[0]``, ``n = full_shape[0] // size``."""
+
+    rank: int
+    size: int
+    full_shape: torch.Size
+
+
 @dataclass
 class Metadata:
     """What the primitives applied to one node (consumed by build, Verify and the engines)."""
 
     shards: dict[str, ShardSpec] = field(default_factory=dict)
+    expert_shards: dict[str, ExpertShard] = field(default_factory=dict)  # taken before any shard above
     role: Role | None = None
     syncs: set[tuple[str, Any]] = field(default_factory=set)  # (mode, op name or callable)
     annotations: dict[str, dict[str, Any]] = field(default_factory=dict)

@@ -49,10 +49,13 @@ def tensor_parallel_for(model_type: str) -> str | None:
     return next((name for name in written if model_type in SCHEDULES[name].MODEL_TYPES), None)
 
 
-def default_for(model_type: str, tensor_parallel: int) -> str:
+def default_for(model_type: str, tensor_parallel: int, expert_parallel: int = 1) -> str:
     """The schedule a run gets without ``--schedule``. Under tensor parallelism: the family's own
     tensor-parallel schedule (gpt2 -> gpt_tp, ...), else ``auto`` for a family it is verified on;
-    else (and at TP size 1) ``default``, the model as it is, data-parallel."""
+    else (and at TP size 1) ``default``, the model as it is, data-parallel. Under expert
+    parallelism ``auto``, the schedule that places experts, for the families it is verified on."""
+    if expert_parallel > 1 and model_type in auto.MODEL_TYPES:
+        return "auto"
     if tensor_parallel <= 1:
         return "default"
     own = tensor_parallel_for(model_type)

@@ -2,12 +2,15 @@
 
 Reads ``base_model_tp_plan`` (see ``megatron_slapo/plans/hf_plan.py``): one input-gradient
 all-reduce per attention block and per MLP, every expert of an MoE block split by its features
-(``plans/experts.py``), vocabulary-parallel embedding, LM head and loss. Without ``--schedule``,
+(``plans/experts.py``), or with ``--expert-model-parallel-size`` whole experts on ranks and the tokens
+sent to them (``base_model_ep_plan``, ``plans/expert_parallel.py``), vocabulary-parallel embedding, LM head and loss. Without ``--schedule``,
 the families listed here that have no schedule of their own get this one.
 """
 
 from typing import Any
 
+from megatron_slapo.parallel.state import expert_groups
+from megatron_slapo.plans.expert_parallel import ExpertParallelExperts
 from megatron_slapo.plans.hf_plan import check_regions, plan_from_hf
 from megatron_slapo.plans.kernel_swap import swap_in_kernels
 from megatron_slapo.plans.sequence import plan_for
@@ -20,12 +23,17 @@ from megatron_slapo.schedule import Schedule
 MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "starcoder2", "cohere", "cohere2",
                "smollm3", "gpt_neox", "olmo", "helium", "arcee", "ernie4_5", "exaone", "exaone4", "internlm3",
                "nemotron", "phi", "seed_oss", "jais2", "nanochat", "cwm", "iquestcoder", "hyperclovax",
-               "mixtral", "qwen3_moe", "qwen2_moe", "minimax", "ernie4_5_moe", "glm4_moe")  # fmt: skip
+               "mixtral", "qwen3_moe", "qwen2_moe", "minimax", "ernie4_5_moe", "glm4_moe", "deepseek_v3",
+               "deepseek_v2", "dots1")  # fmt: skip
 
 
 def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
     config = config or sch.mod.config
-    plan = plan_for(plan_from_hf(sch.mod, config, getattr(args, "sequence_parallel", False)), args)
+    sequence_parallel = getattr(args, "sequence_parallel", False)
+    experts = None
+    if getattr(args, "expert_model_parallel_size", 1) > 1:  # whole experts on ranks (plans/expert_parallel.py)
+        experts = ExpertParallelExperts(expert_groups(), args.moe_token_dispatcher_type, sequence_parallel)
+    plan = plan_for(plan_from_hf(sch.mod, config, sequence_parallel, experts), args)
     apply_plan(sch, plan)
     check_regions(sch, plan)
     swap_in_kernels(sch)

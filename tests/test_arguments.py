@@ -45,6 +45,26 @@ def test_megatron_names_and_derived_values():
             "--use-distributed-optimizer needs --engine megatron, not fsdp",
         ),
         (["--sequence-parallel"], 2, "--sequence-parallel .* needs --tensor-model-parallel-size > 1"),
+        (["--expert-model-parallel-size", "2"], 3, "must divide the data-parallel size, 3"),
+        (["--expert-model-parallel-size", "2", "--engine", "fsdp"], 2, "needs --engine megatron or ddp"),
+        (
+            ["--expert-model-parallel-size", "2", "--ckpt-format", "torch", "--save", "x"],
+            2,
+            "saves with --ckpt-format torch_dist",
+        ),
+        (
+            [
+                "--expert-model-parallel-size",
+                "2",
+                "--expert-tensor-parallel-size",
+                "1",
+                "--tensor-model-parallel-size",
+                "2",
+            ],
+            8,
+            "needs --sequence-parallel: each tensor-parallel rank must route different tokens",
+        ),
+        (["--expert-tensor-parallel-size", "2"], 2, "split by their features over the tensor-parallel ranks"),
         (
             ["--accumulate-allreduce-grads-in-fp32", "--engine", "ddp"],
             1,

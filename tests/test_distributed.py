@@ -53,9 +53,10 @@ def _rank_logs(log_dir: Path) -> dict[int, str]:
     return logs
 
 
-# The slow tier (-m slow) runs the distributed tests marked slow, at two ranks: through this launch,
+# The slow tier (-m slow) runs the distributed tests marked slow, at two and four ranks: through these launches,
 # since the inner pytest takes the outer one's -m.
-@pytest.mark.parametrize("world_size", [2, 4, pytest.param(2, marks=pytest.mark.slow, id="2-slow")])
+@pytest.mark.parametrize("world_size", [2, 4, pytest.param(2, marks=pytest.mark.slow, id="2-slow"),
+                                        pytest.param(4, marks=pytest.mark.slow, id="4-slow")])  # fmt: skip
 def test_distributed_suite(
     world_size: int, tmp_path: Path, request: pytest.FixtureRequest, slowest_distributed: dict[int, str]
 ) -> None:

@@ -13,7 +13,14 @@ TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
 
 
 def _explain(tmp_path, *flags):
-    cmd = [sys.executable, "tools/explain.py", *flags, *TINY, "--data-cache-path", str(tmp_path / "cache")]
+    cmd = [
+        sys.executable,
+        "tools/explain.py",
+        *TINY,
+        *flags,
+        "--data-cache-path",
+        str(tmp_path / "cache"),
+    ]  # flags last: they win
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
@@ -52,3 +59,30 @@ def test_explain_refuses_a_layout_the_world_cannot_hold(tmp_path):
     assert done.stderr.strip().splitlines() == [
         "explain.py: error: world size 3 is not divisible by tensor (2) x pipeline (1) parallel sizes"
     ]
+
+
+# qwen3_moe under --schedule auto: 4 experts of ffn 32 on hidden 64, each token picks 2, 2 layers
+MOE = ["--model-type", "qwen3_moe", "--schedule", "auto", "--num-query-groups", "2", "--num-experts", "4",
+       "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]  # fmt: skip
+
+
+def test_explain_plans_expert_parallelism(tmp_path):
+    """--expert-model-parallel-size 2 on 4 ranks: each rank holds half the routed experts (their
+    gradients reduced over the 2 ranks holding the same ones), and moves each micro-batch's tokens x
+    top-k rows of hidden out to the experts and back, forward and backward (tests/distributed/
+    test_explain.py checks all of it against a real step)."""
+    out = tmp_path / "plan.json"
+    done = _explain(tmp_path, "--world-size", "4", "--json", str(out), *MOE, "--expert-model-parallel-size", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ("Routed experts, rank 0: split across 2 expert-parallel ranks (whole experts), each by its features "
+            "across 1; gradients reduced over an expert-data-parallel group of 2") in done.stdout  # fmt: skip
+    (rank,) = json.loads(out.read_text())["ranks"]
+    experts = 2 * 4 * (2 * 32 * 64 + 64 * 32) * 4  # layers x experts x (gate|up + down) x fp32
+    assert rank["experts"] == {"expert_parallel": 2, "expert_tensor_parallel": 1, "expert_data_parallel": 2,
+                               "params": experts // 2, "model_params": experts}  # fmt: skip
+    assert rank["micro_batches"] == 1
+    tokens = 2 * 32  # this rank's micro-batch
+    assert rank["comm"]["all_to_all[ep]"] == 2 * tokens * 2 * 64 * 4 * 4  # layers x tokens x top-k x hidden x fp32 x 4
+    assert rank["comm"]["all_reduce[edp]"] == experts // 2  # the experts' fp32 gradients, over their copies
+    dense = rank["memory"]["params"] - experts // 2
+    assert rank["comm"]["all_reduce[dp-cp]"] == dense  # the rest over every data-parallel rank

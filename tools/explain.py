@@ -9,9 +9,10 @@ process plans each pipeline stage's first rank over a fake process group of ``--
 (no GPU, no cluster, no weights: see :mod:`megatron_slapo.training.estimate`), and prints what the
 schedule did to each module, then per rank: weight, gradient and optimizer bytes, activation bytes
 per micro-batch (and how many micro-batches 1F1B holds at once), collective bytes per step by type
-and group, the pipeline bubble and FLOPs per step. With ``--load DIR``, what the checkpoint there
-is and how this layout loads it (a ``torch_dist`` one: the layout that saved it, and whether the
-run reshards it).
+and group, the pipeline bubble and FLOPs per step; with ``--expert-model-parallel-size``, each
+rank's routed experts (its bytes of them, the expert-data-parallel group) and the tokens'
+all-to-all. With ``--load DIR``, what the checkpoint there is and how this layout loads it (a
+``torch_dist`` one: the layout that saved it, and whether the run reshards it).
 
 - ``--task gpt|bert|t5|vision``: which trainer's flags (default gpt).
 - ``--world-size N``: the ranks of the run (default: ``WORLD_SIZE``, else TP x PP), at most
@@ -64,6 +65,20 @@ def explain(task: str, argv: list[str], world: int) -> list[RankEstimate]:
     return [estimate(task, argv, world, rank) for rank in stage_ranks(argv, task, world)]
 
 
+def _experts(e: RankEstimate) -> list[str]:
+    """Expert parallelism's lines for rank ``e``: its share of the routed experts, their groups and
+    the tokens' all-to-all (listed with the collectives above)."""
+    x = e.experts
+    moved = e.comm.get("all_to_all[ep]")
+    return [f"Routed experts, rank {e.rank}: split across {x.expert_parallel} expert-parallel ranks (whole experts), "
+            f"each by its features across {x.expert_tensor_parallel}; gradients reduced over an expert-data-parallel "
+            f"group of {x.expert_data_parallel}",
+            f"  weights here {x.params:>14,} B  {_mib(x.params)}, 1/{x.model_params // max(x.params, 1)} of the "
+            f"model's {_mib(x.model_params)}",
+            *([f"  all_to_all[ep] {moved:>12,} B  {_mib(moved)} per step: tokens x top-k x hidden x bytes, out and back, "
+               "forward and backward"] if moved else [])]  # fmt: skip
+
+
 def report(estimates: list[RankEstimate], world: int) -> str:
     first = estimates[0]
     lines = [f"What the schedule did (rank {first.rank}):", first.schedule, "",
@@ -80,6 +95,8 @@ def report(estimates: list[RankEstimate], world: int) -> str:
     for e in estimates:
         lines.append(f"Collectives per step, rank {e.rank} ({e.micro_batches} micro-batches):")
         lines += [f"  {key:<28} {value:>14,} B  {_mib(value)}" for key, value in e.comm.items()] or ["  none"]
+        if e.experts:
+            lines += _experts(e)
     if len(estimates) > 1 or first.bubble:
         lines.append(f"Pipeline bubble: {first.bubble:.1%} of each step idle ({len(estimates)} pipeline ranks, "
                      f"{len(first.stages)} stage(s) each, {first.micro_batches} micro-batches)")  # fmt: skip

@@ -13,6 +13,7 @@ import traceback
 from collections.abc import Callable, Iterable
 from types import TracebackType
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -83,3 +84,11 @@ def record_root_cause(message: str) -> None:
     data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
     with open(path, "w") as f:
         json.dump(data, f)
+
+
+def ddp_ignore(module: torch.nn.Module, names: Iterable[str]) -> None:
+    """Make torch DDP, wrapped around ``module`` afterwards, leave these parameters' gradients alone
+    (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``: torch 2.x, private)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(names))

@@ -55,6 +55,30 @@ def has_default_experts_gate(experts_class: type) -> bool:
     return gate is None or gate.__name__ == "_default_apply_gate"
 
 
+def grouped_experts_forward(experts: nn.Module, rows: torch.Tensor) -> Callable[..., torch.Tensor] | None:
+    """transformers' grouped-GEMM experts forward (``grouped_mm_experts_forward``: one
+    ``torch.nn.functional.grouped_mm`` per projection over all the experts) when torch offers that
+    GEMM for ``rows`` and the experts' weights, else None. transformers 5.x's own test
+    (``moe._can_use_grouped_mm``), and on the CPU the kernel's alignment rule (every row 16-byte
+    aligned), which that test does not check."""
+    from transformers.integrations import moe
+
+    weights = [getattr(experts, name) for name in ("gate_up_proj", "down_proj")]
+    offsets = torch.zeros(weights[0].size(0), dtype=torch.int32, device=rows.device)
+    if not moe._can_use_grouped_mm(rows, weights[0], offsets):
+        return None
+    widths = [rows.size(-1), *(w.size(d) for w in weights for d in (-1, -2))]
+    if rows.device.type == "cpu" and any(n * rows.element_size() % 16 for n in widths):
+        return None
+    return moe.grouped_mm_experts_forward
+
+
+def apply_experts_gate(experts: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """An HF experts module's activation of its packed gate|up output (``_apply_gate``, which
+    ``use_experts_implementation`` installs). transformers 5.x."""
+    return experts._apply_gate(gate_up)
+
+
 @contextlib.contextmanager
 def unpacked_on_meta() -> Iterator[None]:
     """HF's masks look for packed sequences in ``position_ids`` (positions that restart) and branch

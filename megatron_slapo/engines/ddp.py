@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from megatron_slapo.compat.distributed import ddp_ignore
 from megatron_slapo.engines.base import (
     Batch,
     ModelShape,
@@ -30,7 +31,8 @@ from megatron_slapo.engines.base import (
 from megatron_slapo.engines.local_step import LocalStep
 from megatron_slapo.engines.optimizer import global_norm
 from megatron_slapo.engines.sharded_state import EngineState, Fill, whole
-from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parallel_grads, group_size
+from megatron_slapo.parallel.collectives import Group, all_reduce_flat, allreduce_sequence_parallel_grads, group_size
+from megatron_slapo.parallel.state import expert_groups
 
 
 class DDPEngine:
@@ -48,6 +50,10 @@ class DDPEngine:
         that share its tensor-parallel shards (for the norm and sequence-parallel gradients)."""
         self.model, self.args, self.dp_group, self.tp_group = model, args, dp_group, tp_group
         self.device = next(model.parameters()).device
+        experts = [name for name, p in model.named_parameters() if getattr(p, "expert_parallel", False)]
+        self.experts = expert_groups() if experts else None  # an MoE model's expert-parallel weights: their groups
+        if experts:  # reduced over the expert-data-parallel ranks instead (_reduce_expert_grads)
+            ddp_ignore(model, experts)
         self.wrapped = DistributedDataParallel(model, process_group=dp_group) if group_size(dp_group) > 1 else model
         if args.log_comm and self.wrapped is not model:  # the C++ reducer bypasses torch.distributed's functions
             self.wrapped.register_comm_hook(dp_group, default_hooks.allreduce_hook)
@@ -73,10 +79,23 @@ class DDPEngine:
 
         totals = self.step.backward(microbatches, loss_of, sync)
         allreduce_sequence_parallel_grads(self.model, self.tp_group)
+        if self.experts:
+            self._reduce_expert_grads()
+        experts = self.experts.tensor_and_model if self.experts else None
         # the norm is the same on every rank of the model
         return self.step.finish(
-            totals, len(microbatches), self.dp_group, lambda grads: global_norm(self.params, self.tp_group, grads)
-        )
+            totals, len(microbatches), self.dp_group,
+            lambda grads: global_norm(self.params, self.tp_group, grads, expert_group=experts),
+        )  # fmt: skip
+
+    def _reduce_expert_grads(self) -> None:
+        """Sum the expert-parallel weights' gradients over the ranks holding the same experts and divide
+        by the data-parallel size, as megatron-core's DDP does: an expert's gradient on one rank already
+        sums what every rank of its expert-parallel group sent it, from as many data-parallel replicas."""
+        grads = [p.grad for p in self.params if getattr(p, "expert_parallel", False) and p.grad is not None]
+        all_reduce_flat(grads, self.experts.data)
+        for grad in grads:
+            grad.div_(group_size(self.dp_group))
 
     def eval_step(self, microbatches: list[Batch], task: Task) -> dict[str, float]:
         """Forward only under the run's autocast, metrics averaged over micro-batches and DP ranks."""

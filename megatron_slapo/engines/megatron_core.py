@@ -205,7 +205,9 @@ class MegatronEngine:
             min_loss_scale=a.min_loss_scale,
             loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
         )  # fmt: skip
-        return get_megatron_optimizer(config, self.ddp)
+        optimizer = get_megatron_optimizer(config, self.ddp)
+        _count_each_rank_s_experts(optimizer)
+        return optimizer
 
     # -- steps -------------------------------------------------------------------------------------
     def _forward_step(self, task: Task, data_iterator: Any, chunk: nn.Module) -> tuple[Any, Any]:
@@ -474,6 +476,20 @@ class MegatronEngine:
             if self.args.fp16 and "grad_scaler" in state.scalars:
                 for part in optimizer_parts(self.optimizer):
                     load_scaler_state(part.grad_scaler, state.scalars["grad_scaler"])
+
+
+def _count_each_rank_s_experts(optimizer: Any) -> None:
+    """megatron-core builds an MoE model's expert-parallel weights their own optimizer, whose norm
+    counts a weight not tagged ``tensor_model_parallel`` on TP rank 0 only (as a TP duplicate). Its
+    own expert layers always carry the tag; ours do not when the experts are not split by features
+    (``--expert-tensor-parallel-size 1``), and then each TP rank holds other experts: the duplicate
+    test must ask the expert-tensor-parallel group (``tp_group``, which megatron-core sets to the
+    dense one, marked as a TODO there)."""
+    from megatron.core import parallel_state as ps
+
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if any(getattr(p, "expert_parallel", False) for p in part.get_parameters()):
+            part.tp_group = ps.get_expert_tensor_parallel_group()
 
 
 def _without_constant_scaler(state: Any) -> Any:

@@ -34,6 +34,7 @@ from megatron_slapo.engines.sharded_state import (
     ParamShards,
     Run,
     adam_step,
+    expert_partition,
     named_once,
     tensor_parallel_partition,
 )
@@ -137,7 +138,8 @@ def describe(stages: list[nn.Module], names_of: dict[str, list[str]], mains: dic
             if id(t) in described:  # one parameter in two of this rank's stages
                 continue
             full = names_of.get(names[0], names)
-            shards = described[id(t)] = ParamShards(full, t.shape, tensor_parallel_partition(t))
+            shards = described[id(t)] = ParamShards(full, t.shape, tensor_parallel_partition(t),
+                                                    experts=expert_partition(t))  # fmt: skip
             main = mains.get(id(t))
             if t.dtype == torch.float32 or not (isinstance(t, nn.Parameter) and t.requires_grad):
                 shards.tensors[WEIGHT] = Run(t.data)  # its own most precise copy, whole

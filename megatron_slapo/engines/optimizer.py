@@ -64,26 +64,40 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
 
 
 def global_norm(
-    params: list[nn.Parameter], tp_group: Group, of_grads: bool = True, partition_group: Group = None
-) -> float:
+    params: list[nn.Parameter], tp_group: Group, of_grads: bool = True, partition_group: Group = None,
+    expert_group: Group = None,
+) -> float:  # fmt: skip
     """The L2 norm of the whole model's gradients (or weights) under tensor parallelism.
 
     A sharded parameter contributes its shard on every TP rank; a replicated one is counted once
     (on TP rank 0), as in Megatron's ``param_is_not_tensor_parallel_duplicate``. When the engine
     partitions tensors across data-parallel ranks (ZeRO-3, FSDP), ``partition_group`` sums the
-    partitions first.
+    partitions first. An MoE model's expert-parallel weights (other experts on each rank) are
+    counted on every rank and summed over ``expert_group``, the expert tensor-and-model-parallel ranks.
     """
     first = group_rank(tp_group) == 0
     device = params[0].device if params else torch.device("cpu")
-    tensors = [local_part(t).detach() for p in params if (t := p.grad if of_grads else p) is not None
-               and (getattr(p, "tensor_model_parallel", False) or first)]  # fmt: skip
-    tensors = [t if t.dtype == torch.float32 else t.float() for t in tensors]  # bf16/fp16 summed in fp32
-    # torch's foreach kernels: one launch per dtype and device, not one reduction per tensor
-    total = get_total_norm(tensors).pow(2) if tensors else torch.zeros((), device=device)
+    held = [(p, t) for p in params if (t := p.grad if of_grads else p) is not None]
+    dense = [t for p, t in held if not getattr(p, "expert_parallel", False)
+             and (getattr(p, "tensor_model_parallel", False) or first)]  # fmt: skip
+    total = _squares(dense, device)
     for group in (partition_group, tp_group):
         if group_size(group) > 1:
             dist.all_reduce(total, group=group)
+    if expert_group is not None:
+        experts = _squares([t for p, t in held if getattr(p, "expert_parallel", False)], device)
+        if group_size(expert_group) > 1:
+            dist.all_reduce(experts, group=expert_group)
+        total += experts
     return math.sqrt(total.item())
+
+
+def _squares(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of ``tensors``' (local parts') elements, in fp32."""
+    tensors = [local_part(t).detach() for t in tensors]
+    tensors = [t if t.dtype == torch.float32 else t.float() for t in tensors]  # bf16/fp16 summed in fp32
+    # torch's foreach kernels: one launch per dtype and device, not one reduction per tensor
+    return get_total_norm(tensors).pow(2) if tensors else torch.zeros((), device=device)
 
 
 @torch.no_grad()

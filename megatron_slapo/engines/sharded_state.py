@@ -46,13 +46,16 @@ class ParamShards:
     whole model's names). ``shape``: its TP-local shape (this rank's tensor-parallel shard, whole).
     ``partition``: ``(dim, stride)`` of a tensor-parallel shard (Megatron's ``partition_dim`` and
     ``partition_stride``), None when every TP rank holds all of it. ``tensors``: state name ->
-    the run this rank holds (a state it does not hold at all is left out).
+    the run this rank holds (a state it does not hold at all is left out). ``experts``: an MoE
+    model's routed experts held by expert-parallel rank ``r`` of ``E`` (``(r, E)``; the global
+    tensor has ``E`` times the experts along dim 0), None for every other tensor.
     """
 
     names: list[str]
     shape: torch.Size
     partition: tuple[int, int] | None
     tensors: dict[str, Run] = field(default_factory=dict)
+    experts: tuple[int, int] | None = None
 
 
 @dataclass
@@ -75,6 +78,11 @@ def tensor_parallel_partition(p: torch.Tensor) -> tuple[int, int] | None:
     return int(p.partition_dim), int(getattr(p, "partition_stride", 1))
 
 
+def expert_partition(p: torch.Tensor) -> tuple[int, int] | None:
+    """``(expert-parallel rank, size)`` of an expert-parallel weight (plans/expert_parallel.py's tags), else None."""
+    return (p.expert_rank, p.expert_size) if getattr(p, "expert_parallel", False) else None
+
+
 def named_once(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     """``model``'s parameters and persistent buffers, each once with all its names (tied weights
     have several), in the model's order."""
@@ -94,7 +102,7 @@ def whole(model: nn.Module, optimizer_state: Callable[[torch.Tensor], dict[str, 
     by default)."""
     params = []
     for names, t in named_once(model):
-        shards = ParamShards(names, t.shape, tensor_parallel_partition(t), {WEIGHT: run(t)})
+        shards = ParamShards(names, t.shape, tensor_parallel_partition(t), {WEIGHT: run(t)}, expert_partition(t))
         if optimizer_state is not None and isinstance(t, nn.Parameter) and t.requires_grad:
             shards.tensors.update({k: run(v) for k, v in optimizer_state(t).items() if k in MOMENTS})
         params.append(shards)

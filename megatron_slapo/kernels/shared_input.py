@@ -46,7 +46,11 @@ class SharedInput:
     def _fusable(self, x: torch.Tensor) -> bool:
         """Whether the fused product may serve: not compiling, not under autocast, every weight a
         plain tensor held whole here (not a ZeRO-3 partition, not a DTensor)."""
-        if not self.enabled or torch.compiler.is_compiling() or torch.is_autocast_enabled(x.device.type):
+        if (
+            not self.enabled
+            or torch.compiler.is_compiling()
+            or (not x.is_meta and torch.is_autocast_enabled(x.device.type))
+        ):
             return False
         return all(
             type(m.weight) in (torch.Tensor, nn.Parameter) and not hasattr(m.weight, "ds_id") for m in self.layers

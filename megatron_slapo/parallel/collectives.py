@@ -13,6 +13,7 @@ reduce_backward   identity                 all-reduce (Megatron f)
 all_gather        all-gather along dim     split, or reduce-scatter
 reduce_scatter    reduce-scatter on dim    all-gather
 scatter           keep own chunk of dim    all-gather
+all_to_all        rows to ranks, by count  the reverse exchange
 ================  =======================  ==========================
 
 ``all_gather`` needs to know what happens downstream: when every rank then computes the same
@@ -118,6 +119,27 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     if _sends(x, group):
         _reduce_scatter_single(out, src, group=group)
     return out.movedim(0, dim).contiguous()
+
+
+def _all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> torch.Tensor:
+    if group_size(group) == 1:
+        return x
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    if _sends(x, group):
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        return _all_to_all(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        return _all_to_all(grad, in_splits, out_splits, ctx.group), None, None, None
 
 
 class _ReduceForward(torch.autograd.Function):
@@ -226,6 +248,12 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
 def scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     """Keep this rank's chunk of a replicated ``x`` along ``dim``; all-gather in the backward."""
     return _Scatter.apply(x, dim, group)
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group) -> torch.Tensor:
+    """Exchange rows of ``x`` (dim 0): ``in_splits[i]`` consecutive rows go to rank ``i``, and
+    ``out_splits[i]`` rows come from it, in rank order; backward sends the gradients back the same way."""
+    return _AllToAll.apply(x, list(out_splits), list(in_splits), group)
 
 
 @torch.no_grad()

@@ -46,6 +46,9 @@ _PAYLOAD = {
 }  # fmt: skip
 
 
+_SHOWN = {"all_to_all_single": "all_to_all"}  # the name a count is shown under, where it is not the function's
+
+
 def group_names() -> dict[Any, str]:
     """Process groups by their megatron-core role: ``tp``, ``pp``, ``dp``, ``embd``, ``mp``, ``dp-cp``."""
     from megatron.core import parallel_state as ps
@@ -56,6 +59,9 @@ def group_names() -> dict[Any, str]:
         "dp": ps.get_data_parallel_group, "embd": ps.get_embedding_group,
         "mp": ps.get_model_parallel_group,  # tensor x pipeline: where gradient norms are summed
         "dp-cp": lambda: ps.get_data_parallel_group(with_context_parallel=True),  # megatron-core DDP's
+        # an MoE model's routed experts: where tokens move, and the copies their gradients are reduced over
+        "ep": ps.get_expert_model_parallel_group, "etp": ps.get_expert_tensor_parallel_group,
+        "edp": ps.get_expert_data_parallel_group,
     }  # fmt: skip
     for name, get in getters.items():
         try:
@@ -89,7 +95,7 @@ class CommLog:
             group = kwargs.get("group", args[group_index] if len(args) > group_index else None)
             if self._depth == 0 and dist.get_world_size(group) > 1:  # counted once; a 1-rank group moves nothing
                 payload = kwargs.get(keyword, args[index] if len(args) > index else None)
-                self.bytes[f"{op}[{self._group_name(group)}]"] += _size(payload)
+                self.bytes[f"{_SHOWN.get(op, op)}[{self._group_name(group)}]"] += _size(payload)
             self._depth += 1
             try:
                 return fn(*args, **kwargs)

@@ -31,13 +31,16 @@ class Placement:
     ``local_shape``: the TP-local shape (padded rows included). ``partition``: ``(dim, stride)``
     of a tensor-parallel shard, or None. ``rank``/``size``: the TP rank and size. ``rows``: the
     size of dim 0 of the global tensor when it is a vocabulary padded to another size than this
-    run's (the rows past it are left out), else None."""
+    run's (the rows past it are left out), else None. ``experts``: ``(rank, size)`` of an
+    expert-parallel tensor, whose dim 0 (the experts) this rank holds the ``rank``-th of ``size``
+    equal parts of (before any tensor-parallel split of another dim), else None."""
 
     local_shape: tuple[int, ...]
     partition: tuple[int, int] | None
     rank: int = 0
     size: int = 1
     rows: int | None = None
+    experts: tuple[int, int] | None = None
 
     @property
     def global_shape(self) -> tuple[int, ...]:
@@ -45,9 +48,16 @@ class Placement:
         shape = list(self.local_shape)
         if self.partition is not None:
             shape[self.partition[0]] *= self.size
+        if self.experts is not None:
+            shape[0] *= self.experts[1]
         if self.rows is not None:
             shape[0] = self.rows
         return tuple(shape)
+
+    @property
+    def first_expert(self) -> int:
+        """Where this rank's experts start along dim 0 of the global tensor (0 without expert parallelism)."""
+        return self.experts[0] * self.local_shape[0] if self.experts is not None else 0
 
     def blocks(self) -> list[tuple[int, int, int]]:
         """``(local start, global start, length)`` along the partition dimension (dim 0 when only
@@ -116,6 +126,7 @@ def global_pieces(placement: Placement, data: torch.Tensor, start: int) -> list[
                 continue
             at = list(offsets)
             at[dim] = glob + (lo - local)
+            at[0] += placement.first_expert
             extent = list(sizes)
             extent[dim] = hi - lo
             pieces.append(((tuple(at), tuple(extent)), box.narrow(dim, lo - offsets[dim], hi - lo)))

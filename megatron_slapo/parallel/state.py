@@ -83,10 +83,18 @@ def initialize(
     backend: str | None = None,
     timeout_minutes: int = 30,
     gloo_side_groups: bool = True,
+    expert_parallel: int = 1,
+    expert_tensor_parallel: int | None = None,
 ) -> None:
     """Start distributed training with ``tensor_parallel`` x ``pipeline_parallel`` model parallelism.
 
-    The remaining factor of the world size is data parallelism. Works under ``torchrun`` (reads
+    The remaining factor of the world size is data parallelism. ``expert_parallel`` (Megatron's
+    ``--expert-model-parallel-size``) carves groups of that many ranks out of the data-parallel ones
+    for an MoE model's routed experts, each expert split by its features over
+    ``expert_tensor_parallel`` ranks (default: the TP size, as in Megatron); megatron-core lays them
+    out (its ``expert_model_parallel`` and ``expert_data_parallel`` groups).
+
+    Works under ``torchrun`` (reads
     RANK/WORLD_SIZE/MASTER_ADDR) and as a plain single process. Uses NCCL when CUDA is available and
     gloo otherwise, in which case megatron-core's CPU shims are applied first. A process group
     already started is kept (:func:`simulate` starts a fake one). ``gloo_side_groups``:
@@ -123,12 +131,14 @@ def initialize(
         pipeline_model_parallel_size=pipeline_parallel,
         distributed_timeout_minutes=timeout_minutes,
         create_gloo_process_groups=gloo_side_groups,
+        expert_model_parallel_size=expert_parallel,
+        expert_tensor_parallel_size=expert_tensor_parallel or tensor_parallel,
     )
     rng.seed(seed, ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank())
 
 
 def simulate(world_size: int, rank: int, tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
-             seed: int = 1234) -> None:  # fmt: skip
+             seed: int = 1234, expert_parallel: int = 1, expert_tensor_parallel: int | None = None) -> None:  # fmt: skip
     """Lay out rank ``rank`` of ``world_size`` in this one process, as :func:`initialize` would, over
     torch's fake process group: every group exists with its true size and this rank's place in it,
     and every collective returns at once, moving nothing. For planning a run (``tools/explain.py``)
@@ -139,7 +149,8 @@ def simulate(world_size: int, rank: int, tensor_parallel: int = 1, pipeline_para
         raise RuntimeError("parallel.simulate() plans in a process of its own: this one runs a process group")
     destroy()
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
-    initialize(tensor_parallel, pipeline_parallel, seed=seed, gloo_side_groups=False)
+    initialize(tensor_parallel, pipeline_parallel, seed=seed, gloo_side_groups=False,
+               expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel)  # fmt: skip
 
 
 def destroy() -> None:
@@ -157,6 +168,28 @@ def tensor_parallel_group() -> dist.ProcessGroup | None:
     from megatron.core import parallel_state as ps
 
     return ps.get_tensor_model_parallel_group()
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """An MoE layer's groups: ``model`` holds the routed experts between them (tokens move over it),
+    ``tensor`` splits each expert by its features, ``data`` holds copies of the same experts (their
+    gradients are reduced over it, not over the whole data-parallel group)."""
+
+    model: dist.ProcessGroup | None
+    tensor: dist.ProcessGroup | None
+    data: dist.ProcessGroup | None
+    tensor_and_model: dist.ProcessGroup | None  # the ranks that hold one copy of all the experts between them
+
+
+def expert_groups() -> ExpertGroups | None:
+    """The expert-parallel groups megatron-core laid out, or ``None`` before :func:`initialize`."""
+    if not _megatron_initialized():
+        return None
+    from megatron.core import parallel_state as ps
+
+    return ExpertGroups(ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
+                        ps.get_expert_data_parallel_group(), ps.get_expert_tensor_and_model_parallel_group())  # fmt: skip
 
 
 def default_group() -> dist.ProcessGroup | None:

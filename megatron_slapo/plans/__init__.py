@@ -3,6 +3,7 @@
 - :mod:`.styles`: the placement styles (``ColumnParallel``, ``RowParallel``, the vocabulary-parallel
   ends, head-local attention, ...) and :func:`~.styles.apply_plan`;
 - :mod:`.hf_plan`: reading the plan transformers publishes for a model (``base_model_tp_plan``);
+  :mod:`.latent_attention`, DeepSeek's multi-head latent attention, which those plans leave out;
 - :mod:`.sequence`: Megatron's sequence parallelism, and :func:`~.sequence.plan_schedule`, the
   ``apply`` of a schedule that is one plan;
 - :mod:`.experts`, :mod:`.channels`, :mod:`.sync_batchnorm`: MoE blocks, convolution channels and

@@ -68,7 +68,7 @@ class ExpertsInput:
         return (hidden, index, weights), kwargs
 
 
-def _layout(mod: nn.Module) -> tuple[int, int, int]:
+def experts_layout(mod: nn.Module) -> tuple[int, int, int]:
     """(gate|up's output axis, down's input axis, gate|up's stride) of an HF experts module, read
     from what HF's ``use_experts_implementation`` records of its weights' layout."""
     if getattr(mod, "has_bias", False) or getattr(mod, "has_post_expert_norm", False):
@@ -96,7 +96,7 @@ class TensorParallelExperts:
 
     def apply(self, sch: Schedule) -> None:
         try:
-            gate_up_axis, down_axis, stride = _layout(sch.mod)
+            gate_up_axis, down_axis, stride = experts_layout(sch.mod)
         except ValueError as e:
             raise sch._error(f"{type(sch.mod).__name__}: {e}") from None
         sch.shard("gate_up_proj", axis=gate_up_axis, stride=stride)

@@ -23,7 +23,11 @@ placements, with Megatron's collectives:
   sequence under ``--sequence-parallel``;
 - attention modules get their head counts divided where they keep them as attributes (found
   generically: integer attributes named like head or width counts whose value is the config's),
-  and their attention-probability dropout on the model-parallel RNG stream.
+  and their attention-probability dropout on the model-parallel RNG stream;
+- multi-head latent attention (DeepSeek's MLA), which the plans leave out (DeepSeek-V3's) or give
+  a style nothing implements (DeepSeek-V2's ``mla_kv_a_proj``), is placed wherever a model has it,
+  split by heads (:mod:`~megatron_slapo.plans.latent_attention`); the plan's entries inside it are
+  set aside.
 
 A style this translation cannot honour is one error naming the module pattern and the style. In an
 MoE model a pattern naming a module this configuration lacks (the dense MLP, when every layer is
@@ -42,8 +46,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from megatron_slapo.errors import SchedulingError
+from megatron_slapo.plans.expert_parallel import ExpertParallelExperts
 from megatron_slapo.plans.experts import TensorParallelExperts
 from megatron_slapo.plans.fusion import why_not_fused
+from megatron_slapo.plans.latent_attention import LatentAttentionHeads, is_latent_attention
 from megatron_slapo.plans.sequence import SplitAlongSequence
 from megatron_slapo.plans.styles import (
     ColumnParallel,
@@ -169,11 +175,13 @@ def _path(model: nn.Module, name: str | None, wanted: str, fallback: nn.Module |
     return found
 
 
-def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False) -> dict[str, Any]:
+def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False,
+                 expert_parallel: ExpertParallelExperts | None = None) -> dict[str, Any]:  # fmt: skip
     """This project's plan (see :func:`~megatron_slapo.plans.styles.apply_plan`) for ``model``
     (an HF model, or its root traced for pipeline stages), from ``config.base_model_tp_plan``;
     SchedulingError for a style it cannot honour, or for a family that cannot run split along the
-    sequence when ``sequence_parallel``."""
+    sequence when ``sequence_parallel``. ``expert_parallel``: the placement of the experts modules
+    that ``config.base_model_ep_plan`` dispatches (``ep_dispatch_experts``), in place of the TP plan's."""
     kind = config.model_type
     if sequence_parallel and kind in NO_SEQUENCE_PARALLEL:
         raise SchedulingError(f"--schedule auto cannot split {kind} along the sequence: {NO_SEQUENCE_PARALLEL[kind]}")
@@ -196,10 +204,17 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False)
     plan: dict[str, Any] = {embedding_path: VocabParallelEmbedding(positions=_adds_positions(base_model, embedding))}
     present = [p for p, _ in model.named_modules() if p]
     experts = [prefix + p for p, style in tp_plan.items() if style == "moe_tp_experts"]
+    if expert_parallel is not None:
+        dispatched = _expert_parallel_paths(config, prefix)
+        plan.update(dict.fromkeys(dispatched, expert_parallel))
+        experts += dispatched
+    latent = [p for p, m in model.named_modules() if p and is_latent_attention(m)]
     regions: dict[str, list[str]] = {}  # region -> its column-parallel children
     for pattern, style in tp_plan.items():
         path = prefix + pattern
         if any(path.startswith(e + ".") for e in experts):  # gate_up_proj, down_proj: the experts' weights
+            continue
+        if latent and _within(present, path, latent):  # multi-head latent attention: placed below, not by HF's plan
             continue
         if experts and not any(compile_pattern(path).match(p) for p in present):  # an MoE model's layers may all
             continue  # be sparse: its dense MLP's patterns match nothing (elsewhere, apply_plan's error stands)
@@ -212,7 +227,7 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False)
         elif style == "replicated_with_grad_allreduce":
             plan[path] = PartialGradients()
         elif style == "moe_tp_experts":
-            plan[path] = TensorParallelExperts()
+            plan.setdefault(path, TensorParallelExperts())  # unless expert-parallel
         elif not (style == "embedding_rowwise" and path == embedding_path):  # that one is ours already
             raise SchedulingError(f"--schedule auto: {kind} plans {pattern!r} as {style!r}, which it cannot honour "
                                   f"yet (it follows {', '.join(STYLES)})")  # fmt: skip
@@ -222,11 +237,25 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False)
         attention = core_kind(module) is not None
         region = ParallelRegionInput(sequence_dim=ROWS, fuse=_fusable(module, children))
         plan = {parent: (region, LocalHeadAttrs(config), HeadParallelDropout()) if attention else (region,), **plan}
+    for attention in latent:  # one entry a layer: a hybrid model may give other layers other attention there
+        heads = LatentAttentionHeads(sequence_dim=ROWS)
+        plan = {attention: (ParallelRegionInput(sequence_dim=ROWS), heads, HeadParallelDropout()), **plan}
     norm = _final_norm(base_model, prefix, pp_plan)
     if norm:
         plan[norm] = SplitAlongSequence(gather_output=True)
     plan[_path(model, "lm_head", "LM head", hf.get_output_embeddings() if hf else None)] = VocabParallelHead()
     return plan
+
+
+def _expert_parallel_paths(config: Any, prefix: str) -> list[str]:
+    """The experts modules ``config.base_model_ep_plan`` dispatches to expert-parallel ranks (its
+    ``grouped_gemm`` entries name their weights, which ExpertParallelExperts multiplies so where it can)."""
+    ep_plan = getattr(config, "base_model_ep_plan", None) or {}
+    paths = [prefix + p for p, style in ep_plan.items() if style == "ep_dispatch_experts"]
+    if not paths:
+        raise SchedulingError(f"--expert-model-parallel-size: the {config.model_type} config publishes no "
+                              "base_model_ep_plan naming its experts (ep_dispatch_experts): a dense model has none to place")  # fmt: skip
+    return paths
 
 
 def _column(model: nn.Module, present: list[str], pattern: str, config: Any) -> ColumnParallel:
@@ -254,6 +283,13 @@ def _parents(present: list[str], pattern: str) -> list[str]:
     regex, parent = compile_pattern(pattern), pattern.rpartition(".")[0]
     holders = [p.rpartition(".")[0] for p in present if regex.match(p)]
     return [parent] if holders == [p for p in present if compile_pattern(parent).match(p)] else holders
+
+
+def _within(present: list[str], pattern: str, modules: list[str]) -> bool:
+    """Whether every module ``pattern`` matches lies inside one of ``modules``."""
+    regex = compile_pattern(pattern)
+    matched = [p for p in present if regex.match(p)]
+    return bool(matched) and all(any(p.startswith(m + ".") for m in modules) for p in matched)
 
 
 def _final_norm(base: nn.Module, prefix: str, pp_plan: dict) -> str | None:

@@ -55,11 +55,14 @@ _HEADS = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForPreTraining")
 
 
 def _tag_split_parameters(sch: Schedule) -> None:
-    """Tag every parameter of ``sch``'s subtree that is not sharded: it sees part of the sequence."""
+    """Tag every parameter of ``sch``'s subtree that is not sharded: it sees part of the sequence.
+    Expert-parallel weights are not: each rank holds other experts, which see the tokens routed to
+    them from every rank (their gradients are reduced over the expert-data-parallel ranks)."""
     for _, node in sch.named_schedules():
         for name, _ in node.mod.named_parameters(recurse=False):
             tagged = node.metadata.annotations.get(name, {}).get("sequence_parallel")
-            if name not in node.metadata.shards and not tagged:
+            split = name in node.metadata.shards or name in node.metadata.expert_shards
+            if not split and not tagged:
                 node.annotate(name, "sequence_parallel", True)
 
 

@@ -76,6 +76,9 @@ def _model(p: argparse.ArgumentParser, model_types: Sequence[str]) -> None:
         "the family scales it)",
     )
     g.add_argument("--moe-router-topk", type=int, help="experts per token (default: the family's)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="the coefficient of an MoE model's load-balancing loss, added to the loss (> 0 turns it on; "
+                        "default 0: as the model's config says, output_router_logits and router_aux_loss_coef)")  # fmt: skip
     if model_types == T5_MODEL_TYPES:  # Megatron's T5 flag names the encoder's length
         g.add_argument("--seq-length", "--encoder-seq-length", type=int, help="the encoder's sequence length")
         g.add_argument("--decoder-seq-length", type=int, help="the decoder's (sentinels and masked spans)")
@@ -121,6 +124,15 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, help="interleaved 1F1B (--engine megatron)")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="--engine megatron: ZeRO-1 over DP")
     g.add_argument("--overlap-grad-reduce", action="store_true", help="--engine megatron")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="MoE: ranks the routed experts are split across, whole experts each, carved out of the "
+                        "data-parallel ranks; tokens are sent to their experts' ranks")  # fmt: skip
+    g.add_argument("--expert-tensor-parallel-size", type=int,
+                   help="MoE: ranks each expert is split across by its features (default: the TP size; with "
+                        "--expert-model-parallel-size > 1 also 1)")  # fmt: skip
+    g.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall",
+                   help="how tokens reach the expert-parallel ranks: all-to-all of the routed tokens, or every "
+                        "rank gathering all tokens")  # fmt: skip
     g.add_argument(
         "--sequence-parallel",
         action="store_true",

@@ -102,7 +102,7 @@ def pieces_of(state: EngineState, layout: Layout, identity: Identity) -> Pieces:
     out: Pieces = {}
     for p in state.params:
         rows = next((identity.vocab_rows[n] for n in p.names if n in identity.vocab_rows), None)
-        placement = Placement(tuple(p.shape), p.partition, layout.tp_rank, layout.tp_size, rows)
+        placement = Placement(tuple(p.shape), p.partition, layout.tp_rank, layout.tp_size, rows, p.experts)
         for kind, run in p.tensors.items():
             shape, boxes = out.setdefault(identity.key(p.names, kind), (placement.global_shape, []))
             boxes += [(box, t) for box, t in global_pieces(placement, run.data, run.start) if t.numel()]

@@ -50,6 +50,13 @@ from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.parallel.comm_log import CommLog, group_names
 from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.tracing.meta_fixes import experts_on_meta
+from megatron_slapo.training.expert_estimate import (
+    ExpertShare,
+    RoutedTraffic,
+    expert_gradient_comm,
+    expert_share,
+    is_expert,
+)
 from megatron_slapo.training.loop import Plan, prepare
 
 DEEPSPEED_MAX_LIVE = 10**9  # DeepSpeed's stage3_max_live_parameters / max_reuse_distance defaults
@@ -72,6 +79,7 @@ class RankEstimate:
     micro_batches: int
     bubble: float  # the pipeline's idle fraction of a step
     schedule: str = field(default="", repr=False)  # Schedule.explain() of this rank
+    experts: ExpertShare | None = None  # its routed experts, under expert parallelism
 
     @property
     def peak(self) -> int:
@@ -176,6 +184,7 @@ class _Weights:
     in_layers: int  # elements inside transformer layers (FSDP's units)
     largest_layer: int
     partial: int  # elements of sequence parallelism's replicated weights (partial gradients)
+    experts: int = 0  # elements of expert-parallel weights (reduced over the expert-data-parallel ranks)
 
     @property
     def numel(self) -> int:
@@ -202,12 +211,13 @@ def _grad_bytes(args: argparse.Namespace) -> int:
     return _weight_bytes(args)  # DeepSpeed reduces in the model's dtype; DDP and FSDP in fp32
 
 
-def _state_bytes(args: argparse.Namespace, w: _Weights, dp: int, stage: int | None) -> dict[str, int]:
+def _state_bytes(args: argparse.Namespace, w: _Weights, dp: int, stage: int | None, edp: int) -> dict[str, int]:
     """Weights, gradients and optimizer state, counted by each engine's own accounting (the one its
     memory report uses) for this rank's share of ``w``: FSDP shards everything over ``dp``, ZeRO
     from the optimizer (1) to the weights (3), megatron-core's distributed optimizer the optimizer.
     ``gathered``: whole weights held while they are used (FSDP's root and two layers, the current
-    and the prefetched; ZeRO-3's, kept from forward to backward)."""
+    and the prefetched; ZeRO-3's, kept from forward to backward). Expert-parallel weights' state is
+    sharded over the ``edp`` expert-data-parallel ranks instead (megatron-core's expert optimizer)."""
     numel, shard = w.numel, math.ceil(w.numel / dp)
     if args.engine == "ddp":
         return adamw_state(4 * numel)
@@ -215,7 +225,8 @@ def _state_bytes(args: argparse.Namespace, w: _Weights, dp: int, stage: int | No
         gathered = (numel - w.in_layers + 2 * w.largest_layer) * (2 if half_precision(args) else 4) if dp > 1 else 0
         return {**adamw_state(4 * shard), "gathered": gathered}
     if args.engine == "megatron":
-        return megatron_state(args, numel, dp)
+        dense, experts = megatron_state(args, numel - w.experts, dp), megatron_state(args, w.experts, edp)
+        return {key: dense[key] + experts[key] for key in dense}
     weight = _weight_bytes(args)
     local = weight * (shard if stage == 3 else numel)
     state = zero_state(stage, local, weight * numel, shard if stage else numel, half_precision(args) is not None)
@@ -224,11 +235,14 @@ def _state_bytes(args: argparse.Namespace, w: _Weights, dp: int, stage: int | No
     return state
 
 
-def _engine_comm(args: argparse.Namespace, w: _Weights, dp: int, micro: int, stage: int | None) -> Counter[str]:
+def _engine_comm(args: argparse.Namespace, w: _Weights, dp: int, micro: int, stage: int | None,
+                 edp: int) -> Counter[str]:  # fmt: skip
     """The collectives the engine adds around the model, per step (whole payloads: every rank's
-    weights or gradients, as ``--log-comm`` counts them): the data-parallel ones, and the sum of
-    sequence parallelism's partial gradients over the tensor-parallel ranks."""
+    weights or gradients, as ``--log-comm`` counts them): the data-parallel ones (expert-parallel
+    weights' over the ``edp`` expert-data-parallel ranks), and the sum of sequence parallelism's
+    partial gradients over the tensor-parallel ranks."""
     comm = _data_parallel_comm(args, w, dp, micro, stage)
+    comm.update(expert_gradient_comm(args, w.experts, edp, _weight_bytes(args), _grad_bytes(args)))
     if w.partial and args.tensor_model_parallel_size > 1:
         shards = dp if args.engine == "fsdp" else 1  # FSDP sums each rank's shard
         times = micro if args.engine == "deepspeed" else 1  # ZeRO: in its backward hooks
@@ -240,7 +254,8 @@ def _data_parallel_comm(args: argparse.Namespace, w: _Weights, dp: int, micro: i
     comm: Counter[str] = Counter()
     if dp == 1:
         return comm
-    numel, weights, grads = w.numel, w.numel * _weight_bytes(args), w.numel * _grad_bytes(args)
+    numel = w.numel - w.experts  # expert-parallel weights: over their own group (expert_gradient_comm)
+    weights, grads = numel * _weight_bytes(args), numel * _grad_bytes(args)
     if args.engine == "ddp":
         comm["all_reduce[dp]"] += grads  # the buckets, once, after the last micro-batch
     elif args.engine == "fsdp":  # a layer is gathered for its forward and again for its backward; the
@@ -325,13 +340,19 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
     layers = transformer_layers(model, plan.config.num_hidden_layers) if args.engine == "fsdp" else []
     per_layer = [sum(p.numel() for p in model.get_submodule(path).parameters()) for path in layers]
     weights = _Weights([p.numel() for p in unique], sum(per_layer), max(per_layer, default=0),
-                       sum(p.numel() for p in unique if getattr(p, "sequence_parallel", False)))  # fmt: skip
-    meter, crossing = _meta_pass(plan, model, _meta_batch(plan))
-    comm: Counter[str] = Counter()
+                       sum(p.numel() for p in unique if getattr(p, "sequence_parallel", False)),
+                       sum(p.numel() for p in unique if is_expert(p)))  # fmt: skip
+    experts = expert_share((node for _, node in plan.sch.named_schedules()), unique, _weight_bytes(args))
+    edp = experts.expert_data_parallel if experts else dp
+    with RoutedTraffic(model, args.moe_token_dispatcher_type) as traffic:
+        meter, crossing = _meta_pass(plan, model, _meta_batch(plan))
+    # the tokens' exchange: counted from what reached the experts, in place of the meta pass's (its routing is a guess)
+    routed = traffic.per_micro_batch(modules)
+    comm: Counter[str] = Counter({key: micro * value for key, value in routed.items()})
     for k in local:
-        comm.update({key: micro * value for key, value in meter.comm.get(k, {}).items()})
+        comm.update({key: micro * value for key, value in meter.comm.get(k, {}).items() if key not in routed})
     stage = zero_stage(args, dp)  # reads --deepspeed-config: once
-    comm.update(_engine_comm(args, weights, dp, micro, stage))
+    comm.update(_engine_comm(args, weights, dp, micro, stage, edp))
     comm.update(_scalar_comm(args, meter.metrics, plan.stages - 1 in local, pp, dp))
     activations = sum(meter.saved[k] for k in local)
     in_flight, bubble = 1, 0.0
@@ -355,7 +376,7 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
         bubble = (pp - 1) / (chunks * micro + pp - 1)
     return RankEstimate(
         rank=rank, coordinates=(layout.tp_rank, layout.pp_rank, layout.dp_rank), stages=local,
-        memory=_state_bytes(args, weights, dp, stage), activations=activations, in_flight=in_flight,
+        memory=_state_bytes(args, weights, dp, stage, edp), activations=activations, in_flight=in_flight,
         comm=dict(sorted(comm.items())), flops=micro * sum(meter.flops[k] for k in local), micro_batches=micro,
-        bubble=bubble, schedule=text,
+        bubble=bubble, schedule=text, experts=experts,
     )  # fmt: skip

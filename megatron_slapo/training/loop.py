@@ -56,6 +56,7 @@ from megatron_slapo.training.model import (
     vocab_parameter_names,
     vocabulary,
 )
+from megatron_slapo.training.moe_loss import load_balancing_loss
 from megatron_slapo.training.output_paths import check_output_dir
 from megatron_slapo.training.reporting import Reporter, log_engine_memory, tensorboard_dir
 from megatron_slapo.training.settings import RunSettings, resolve_settings
@@ -152,10 +153,13 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     settings, hf_config = resolve_settings(args)  # decided here, once: from now on `args` is only read
     print_arguments(argparse.Namespace(**settings.arguments(args)))
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    experts = dict(
+        expert_parallel=args.expert_model_parallel_size, expert_tensor_parallel=args.expert_tensor_parallel_size
+    )
     if simulate_rank is None:
-        parallel.initialize(tp, pp, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes)
+        parallel.initialize(tp, pp, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes, **experts)
     else:
-        parallel.simulate(world, simulate_rank, tp, pp, seed=args.seed)
+        parallel.simulate(world, simulate_rank, tp, pp, seed=args.seed, **experts)
     layout = Layout.current()
     resume_path = None  # the checkpoint --load resumes from (not looked for when simulating)
     if simulate_rank is None:  # what the run reads and writes, checked and agreed on by every rank before compute
@@ -183,6 +187,7 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     model = create_model(args, settings.task, config)
     if isinstance(task, GPTTask):
         task.attention = attn_implementation(model.config)  # the form of the 4D mask it takes
+        task.load_balancing = load_balancing_loss(model, args, tp_group)  # an MoE model's auxiliary loss, when on
     metadata_vocab, model_class = vocab_parameter_names(model), type(model).__name__
     sch = ms.create_schedule(model)
     stages = pipeline_stages(args, config.num_hidden_layers)
@@ -193,6 +198,10 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
         trace_for_pipeline(sch, task, args, layers, settings.seq_length)
     schedule.apply(sch, config, args)
     shards = any(node.metadata.shards for _, node in sch.named_schedules())
+    if args.expert_model_parallel_size > 1 and not any(n.metadata.expert_shards for _, n in sch.named_schedules()):
+        raise ConfigError(f"--expert-model-parallel-size {args.expert_model_parallel_size}: --schedule "
+                          f"{settings.schedule} placed no experts on the expert-parallel ranks (a dense model, or a "
+                          "schedule without expert parallelism: MoE models take --schedule auto)")  # fmt: skip
     if layout.tp_size > 1 and not shards:
         raise ConfigError(
             f"--schedule {settings.schedule} shards nothing, but --tensor-model-parallel-size is {layout.tp_size}; "

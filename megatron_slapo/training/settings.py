@@ -38,6 +38,8 @@ class RunSettings:
         this tensor-parallel size."""
         if self.schedule_given:
             return "--schedule"
+        if self.schedule == "auto" and self.tensor_parallel == 1:
+            return f"the default for {self.model_type} with --expert-model-parallel-size > 1"
         return f"the default for {self.model_type} at --tensor-model-parallel-size {self.tensor_parallel}"
 
     def arguments(self, args: argparse.Namespace) -> dict[str, Any]:
@@ -61,7 +63,8 @@ def resolve_settings(args: argparse.Namespace) -> tuple[RunSettings, transformer
         source = f"--load-hf {args.load_hf}" if args.load_hf else f"--hf-config {args.hf_config}"
     model_type = hf_config.model_type if hf_config is not None else args.model_type
     tp = args.tensor_model_parallel_size
-    schedule = default_for(model_type, tp) if args.schedule is None else args.schedule
+    ep = getattr(args, "expert_model_parallel_size", 1)
+    schedule = default_for(model_type, tp, ep) if args.schedule is None else args.schedule
     seq_length = getattr(args, "seq_length", None)  # image models have none
     if seq_length is None and hf_config is not None and args.task != "vision":
         seq_length = hf_config.max_position_embeddings  # T5 has no positions: validation requires --seq-length

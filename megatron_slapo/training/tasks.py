@@ -28,6 +28,7 @@ from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels.vocab import vocab_parallel_cross_entropy
 from megatron_slapo.parallel.collectives import Group
 from megatron_slapo.training.model import Vocabulary
+from megatron_slapo.training.moe_loss import LoadBalancingLoss
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,8 @@ class GPTTask(_ModelLoss):
     With ``--reset-position-ids`` / ``--reset-attention-mask`` the model gets the dataset's
     position ids and a 4D attention mask (:func:`document_attention`, per document of end token
     ``eod``); ``attention`` is the model's ``config._attn_implementation``, which decides the
-    mask's form. ``--eod-mask-loss`` acts through the dataset's ``loss_mask``.
+    mask's form. ``--eod-mask-loss`` acts through the dataset's ``loss_mask``. ``load_balancing``:
+    an MoE model's auxiliary loss (``moe_loss.py``), added with its coefficient when on.
     """
 
     vocab_size: int
@@ -115,6 +117,7 @@ class GPTTask(_ModelLoss):
     reset_attention_mask: bool = False
     eod: int | None = None
     attention: str = "sdpa"
+    load_balancing: LoadBalancingLoss | None = None
 
     def __post_init__(self) -> None:
         if (self.reset_position_ids or self.reset_attention_mask) and self.eod is None:
@@ -133,12 +136,18 @@ class GPTTask(_ModelLoss):
             inputs["position_ids"] = batch["position_ids"]
             eod = self.eod if self.reset_attention_mask else None
             inputs["attention_mask"] = document_attention(batch["tokens"], eod, self.attention)
+        if self.load_balancing is not None:  # HF records each router's logits
+            inputs["output_router_logits"] = True
         return inputs
 
     def criterion(self, out: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The loss to differentiate, and the metrics to log, from the model's output."""
+        """The loss to differentiate, and the metrics to log, from the model's output: the language
+        modelling loss, plus the load-balancing loss times its coefficient when it is on."""
         lm = masked_mean(token_losses(out.logits, batch["labels"], self.vocab_size, self.tp_group), batch["loss_mask"])
-        return lm, {"lm loss": lm.detach()}
+        if self.load_balancing is None:
+            return lm, {"lm loss": lm.detach()}
+        aux = self.load_balancing(out.router_logits, batch["tokens"].numel())
+        return lm + self.load_balancing.coefficient * aux, {"lm loss": lm.detach(), "load balancing loss": aux.detach()}
 
 
 @dataclass

@@ -28,7 +28,7 @@ from megatron_slapo.training.trainer_args import TRAINER_MINIMUM, check_trainer_
 # Flags that must be at least this large when given (None means "not given", which later checks handle).
 _MINIMUM = dict(
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=1,
-    micro_batch_size=1, global_batch_size=1, train_iters=1, seq_length=1, max_position_embeddings=1,
+    expert_model_parallel_size=1, expert_tensor_parallel_size=1, micro_batch_size=1, global_batch_size=1, train_iters=1, seq_length=1, max_position_embeddings=1,
     num_layers=1, hidden_size=1, num_attention_heads=1, num_query_groups=1, ffn_hidden_size=1,
     num_experts=1, moe_ffn_hidden_size=1, moe_shared_expert_intermediate_size=1, moe_router_topk=1,
     make_vocab_size_divisible_by=1, lr_decay_iters=1, lr_warmup_iters=0, recompute_num_layers=1,
@@ -142,6 +142,7 @@ def _check_pairs(args: argparse.Namespace, problems: Problems) -> None:
                      "grad_reduce_in_bf16"):  # fmt: skip
             if getattr(args, name):
                 problems.add(f"--{name.replace('_', '-')} needs --engine megatron, not {engine}")
+    _check_expert_parallel(args, problems)
     if args.num_layers_per_virtual_pipeline_stage and pp == 1:
         problems.add("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
     if args.sequence_parallel and tp == 1:
@@ -169,6 +170,27 @@ def _check_pairs(args: argparse.Namespace, problems: Problems) -> None:
         problems.add("--finetune needs --load DIR")
     if args.load_hf and args.hf_config:
         problems.add("--load-hf takes its config from the checkpoint; drop --hf-config")
+
+
+def _check_expert_parallel(args: argparse.Namespace, problems: Problems) -> None:
+    """``--expert-model-parallel-size`` and ``--expert-tensor-parallel-size``: the layouts expert
+    parallelism runs (plans/expert_parallel.py) and the engines that keep its two gradient groups."""
+    ep, etp, tp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.tensor_model_parallel_size
+    if etp is not None and etp != tp and (ep == 1 or etp != 1):
+        problems.add(f"--expert-tensor-parallel-size {etp}: the experts are split by their features over the "
+                     f"tensor-parallel ranks ({tp}) or, with --expert-model-parallel-size > 1, not at all (1)")  # fmt: skip
+    if ep == 1:
+        return
+    if args.engine not in ("megatron", "ddp"):
+        problems.add(f"--expert-model-parallel-size needs --engine megatron or ddp: --engine {args.engine} reduces "
+                     "every gradient over the whole data-parallel group, and expert weights differ between its ranks")  # fmt: skip
+    if tp > 1 and not args.sequence_parallel and etp == 1:
+        problems.add("--expert-model-parallel-size with --tensor-model-parallel-size > 1 and experts not split by "
+                     "features (--expert-tensor-parallel-size 1) needs --sequence-parallel: each tensor-parallel "
+                     "rank must route different tokens (Megatron requires it too)")  # fmt: skip
+    if args.ckpt_format == "torch" and (args.save or args.load):
+        problems.add("--expert-model-parallel-size saves with --ckpt-format torch_dist: the torch format's files "
+                     "hold one copy per tensor-parallel rank, and expert-parallel ranks hold different experts")  # fmt: skip
 
 
 def _check_language_pairs(args: argparse.Namespace, problems: Problems) -> None:
@@ -218,6 +240,10 @@ def _check_values(args: argparse.Namespace, world_size: int, problems: Problems)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
         problems.add(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
+    elif (world_size // (tp * pp)) % args.expert_model_parallel_size:
+        problems.add(f"--expert-model-parallel-size {args.expert_model_parallel_size} must divide the data-parallel "
+                     f"size, {world_size // (tp * pp)} (world {world_size} / (tensor {tp} x pipeline {pp})): the "
+                     "expert-parallel ranks are carved out of the data-parallel ones")  # fmt: skip
     if args.task == "vision":
         if args.sequence_parallel and args.micro_batch_size % tp:
             problems.add(f"--sequence-parallel splits an image model's batch: {flag(args, 'micro_batch_size')} is not "

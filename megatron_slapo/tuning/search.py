@@ -80,7 +80,8 @@ class Outcome:
 
 def ring_traffic(comm: dict[str, int]) -> float:
     """Bytes a rank sends per step in ring collectives: an all-reduce is a reduce-scatter and an
-    all-gather of its payload, so it counts twice."""
+    all-gather of its payload, so it counts twice; any other collective (an expert-parallel
+    all-to-all of routed tokens included) once."""
     sent = {k: v for k, v in comm.items() if not k.startswith(("irecv", "recv"))}
     return sum(value * (2 if key.startswith("all_reduce") else 1) for key, value in sent.items())
 

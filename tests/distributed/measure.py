@@ -14,7 +14,8 @@ is tested against.
   bytes alive at once plus the weights, gradients and optimizer state);
 - collectives: ``--log-comm``'s counts (:class:`CommLog`) over a step after the trainer's (its
   first has one-off work, such as ZeRO-3 recording the order it gathers in);
-- FLOPs: ``FlopCounterMode`` over the step (forward, backward and any recomputation).
+- FLOPs: ``FlopCounterMode`` over the step (forward, backward and any recomputation);
+- experts: the bytes of the expert-parallel weights (an MoE model's routed experts) this rank holds.
 """
 
 from __future__ import annotations
@@ -162,5 +163,6 @@ def measure(task: str, argv: list[str]) -> dict:
             log.uninstall()
     layout = run.layout
     memory = {**run.engine.memory_report(), "gathered": gathered[0]}
+    experts = _bytes([p for p in _parameters(run.engine) if getattr(p, "expert_parallel", False)])
     return {"coordinates": (layout.tp_rank, layout.pp_rank, layout.dp_rank), "memory": memory, "held": held.take(),
-            "logged": logged, "comm": comm, "flops": flops.get_total_flops()}  # fmt: skip
+            "logged": logged, "comm": comm, "flops": flops.get_total_flops(), "experts": experts}  # fmt: skip

@@ -27,13 +27,24 @@ SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_l
              num_key_value_heads=2, max_position_embeddings=64, head_dim=16, pad_token_id=0, bos_token_id=0,
              eos_token_id=0, num_local_experts=4, num_experts=4, n_routed_experts=4, num_experts_per_tok=2,
              moe_intermediate_size=32, n_group=1, topk_group=1)  # fmt: skip
+# Families whose defaults need more than SIZES. DeepSeek's multi-head latent attention: a query rank
+# (v3) or none (v2: q_proj), small latent ranks and head widths (its head_dim is the rotary part),
+# a key/value head per head; v3's grouped top-k (2 groups of 2 experts, 1 group picked, top-2); a
+# first dense layer, then shared experts beside the routed ones (dots1's default count is None).
+LATENT = dict(num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+              head_dim=8, first_k_dense_replace=1)  # fmt: skip
+FAMILY_SIZES = {
+    "deepseek_v3": dict(LATENT, q_lora_rank=24, n_group=2, topk_group=1),
+    "deepseek_v2": dict(LATENT, q_lora_rank=None),
+    "dots1": dict(n_shared_experts=1, first_k_dense_replace=1),
+}
 
 
 def tiny(family: str) -> transformers.PretrainedConfig:
     """The family's config class with its defaults, scaled down (fields it lacks are dropped)."""
     cls = CONFIG_MAPPING[family]
     fields = {k: v for k, v in SIZES.items() if k in cls().to_dict() or k in ("vocab_size", "hidden_size")}
-    return cls(**fields)
+    return cls(**{**fields, **FAMILY_SIZES.get(family, {})})
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
@@ -142,6 +153,41 @@ def test_a_style_auto_cannot_honour_is_one_error_naming_it(group):
         auto.apply(ms.create_schedule(model, group), config)
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])  # with a query rank (q_b_proj), without (q_proj)
+def test_latent_attention_is_split_by_heads_as_megatron_splits_it(group, family):
+    """MLA: the up-projections split by output heads, o_proj by input heads, the low-rank
+    down-projections and their norms whole with their gradients summed over the ranks, the
+    module's head count divided, and one input-gradient all-reduce for the whole block."""
+    config = tiny(family)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    sch = ms.create_schedule(model, group)
+    auto.apply(sch, config)
+    tp, heads = sch.world_size, config.num_attention_heads
+    attention = model.model.layers[0].self_attn
+    q_proj = "q_b_proj" if config.q_lora_rank else "q_proj"
+    up = {q_proj: config.qk_nope_head_dim + config.qk_rope_head_dim,  # each head's [nope | rope] query
+          "kv_b_proj": config.qk_nope_head_dim + config.v_head_dim}  # each head's [k nope | v]  # fmt: skip
+    for name, width in up.items():
+        assert getattr(attention, name).weight.shape[0] == heads // tp * width
+    assert attention.o_proj.weight.shape[1] == heads // tp * config.v_head_dim and attention.num_heads == heads // tp
+    whole = {name: p for name, p in attention.named_parameters() if name.split(".")[0] not in (*up, "o_proj")}
+    assert len(whole) == (4 if config.q_lora_rank else 2)  # q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm
+    assert all(getattr(p, "sequence_parallel", False) for p in whole.values()), whole.keys()
+    block = sch["model.layers.0.self_attn"]
+    syncs = {path: node.metadata.syncs for path, node in block.named_schedules() if node.metadata.syncs}
+    assert syncs == {"": {("bwd_post", "all_reduce")}, "o_proj": {("fwd_post", "all_reduce")}}
+
+
+def test_latent_attention_with_heads_the_tp_size_does_not_divide_is_one_error(group):
+    config = tiny("deepseek_v3")
+    config.num_attention_heads = config.num_key_value_heads = 3
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(SchedulingError, match=r"self_attn\] num_heads=3 is not divisible by the tensor-parallel size"):
+        auto.apply(ms.create_schedule(model, group), config)
+
+
 # Trained 10 steps against one process: GQA everywhere (--num-query-groups 2), per-head norms (qwen3,
 # qwen3_moe, exaone4), biases (starcoder2, qwen2), packed q|k|v (gpt_neox), parallel attention and MLP (phi),
 # experts (mixtral; qwen3_moe; glm4_moe, whose first layer is dense and whose shared experts are split).
@@ -152,33 +198,55 @@ TRAINED = ["qwen3", "mistral", "starcoder2", "gpt_neox", "granite", "llama", "qw
 PIPELINED = ["qwen3", "mistral", "starcoder2", "gpt_neox", "granite", "qwen3_moe"]
 EXPERTS = {"mixtral": [], "qwen3_moe": ["--moe-ffn-hidden-size", "32"], "glm4_moe": ["--moe-ffn-hidden-size", "32"]}
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
+# Shaped by tiny()'s config (--hf-config), which the size flags cannot give: DeepSeek-V3 (multi-head latent
+# attention with a query rank, grouped top-k, a dense first layer, shared experts), DeepSeek-V2 (MLA without
+# one) and dots1 (per-head norms, shared experts)
+CONFIGURED = list(FAMILY_SIZES)
 # (layout, world sizes, flags, families); "-kv1": one key/value head, shared by the 2 ranks (multi-query
 # attention); at TP4 the 2 key/value heads are each shared by 2 ranks
-LAYOUTS = [("tp2", (2,), TP2, [*TRAINED, "llama-kv1", "qwen3_moe-kv1"]), ("tp2-pp2", (4,), [*TP2, *PP2], PIPELINED),
-           ("tp4", (4,), ["--tensor-model-parallel-size", "4"], ["llama"])]  # fmt: skip
+LAYOUTS = [("tp2", (2,), TP2, [*TRAINED, *CONFIGURED, "llama-kv1", "qwen3_moe-kv1"]),
+           ("tp2-sp", (2,), [*TP2, "--sequence-parallel"], ["deepseek_v3"]),
+           ("tp2-pp2", (4,), [*TP2, *PP2], PIPELINED), ("tp4", (4,), ["--tensor-model-parallel-size", "4"], ["llama"])]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def reference(shared_tmp, cache):
+def configs(shared_tmp):
+    """The directory of the CONFIGURED families' --hf-config directories (tiny(family), saved once)."""
+    root = os.path.join(shared_tmp, "auto-configs")
+    if dist.get_rank() == 0:
+        for family in CONFIGURED:
+            tiny(family).save_pretrained(os.path.join(root, family))
+    dist.barrier()
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(shared_tmp, cache, configs):
     """One process's losses per family: those this world size trains, run in one process."""
     here = [family for _, sizes, _, families in LAYOUTS if dist.get_world_size() in sizes for family in families]
-    return reference_losses(shared_tmp, lambda family: ("gpt", [*_trained(family), "--data-cache-path", cache]), here)
+
+    def run(family: str) -> tuple[str, list[str]]:
+        return "gpt", [*_trained(family, configs), "--data-cache-path", cache]
+
+    return reference_losses(shared_tmp, run, here)
 
 
-def _trained(case: str) -> list[str]:
+def _trained(case: str, configs: str) -> list[str]:
     family, _, kv_heads = case.partition("-kv")
-    experts = ["--num-experts", "4", "--moe-router-topk", "2", *EXPERTS[family]] if family in EXPERTS else []
     fast = ["--lr", "1e-2", "--min-lr", "1e-3"]  # a clear drop in 10 steps for every family (qwen3_moe was slow)
+    if family in CONFIGURED:
+        return [*PARITY, *fast, "--hf-config", os.path.join(configs, family), "--schedule", "auto"]
+    experts = ["--num-experts", "4", "--moe-router-topk", "2", *EXPERTS[family]] if family in EXPERTS else []
     groups = ["--num-query-groups", kv_heads or "2"]
     return [*PARITY, *fast, "--model-type", family, "--schedule", "auto", *groups, *experts]
 
 
 @pytest.mark.parametrize("family, flags", [layout_case(f, name, sizes, flags)
                                            for name, sizes, flags, families in LAYOUTS for f in families])  # fmt: skip
-def test_auto_trains_as_one_process(family, flags, reference, shared_tmp, cache, request):
-    """pretrain_gpt.py --model-type FAMILY --schedule auto: 10 fp32 steps at TP2, at TP2 x PP2 (the
-    pipeline cut through the traced model) and with key/value heads shared by ranks give one
-    process's losses."""
+def test_auto_trains_as_one_process(family, flags, reference, configs, shared_tmp, cache, request):
+    """pretrain_gpt.py --model-type FAMILY (or --hf-config, CONFIGURED) --schedule auto: 10 fp32 steps
+    at TP2 (DeepSeek-V3 with --sequence-parallel too), at TP2 x PP2 (the pipeline cut through the
+    traced model) and with key/value heads shared by ranks give one process's losses."""
     tb = os.path.join(shared_tmp, f"tb-auto-{request.node.callspec.id}")
-    losses = train_losses("gpt", [*_trained(family), *flags, "--data-cache-path", cache], tb)
+    losses = train_losses("gpt", [*_trained(family, configs), *flags, "--data-cache-path", cache], tb)
     assert_parity(losses, reference(family), 1e-5)

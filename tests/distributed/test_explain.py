@@ -24,6 +24,10 @@ from tests.distributed.measure import measure
 from tests.distributed.runs import ROOT, TINY, first_rank_value, plain_env
 
 TP = ["--tensor-model-parallel-size", "2"]
+# qwen3_moe under --schedule auto, 4 experts (each token picks 2) of ffn 32 on hidden 64, 2 layers
+MOE = ["--model-type", "qwen3_moe", "--schedule", "auto", "--num-query-groups", "2", "--num-experts", "4",
+       "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]  # fmt: skip
+EXPERT_BYTES = 2 * 4 * (2 * 32 * 64 + 64 * 32) * 4  # layers x experts x (gate|up + down) x fp32
 CASES = {
     "tp2": TP,
     "tp2-ddp": [*TP, "--engine", "ddp"],
@@ -37,6 +41,7 @@ CASES = {
     "zero2-bf16": ["--engine", "deepspeed", "--zero-stage", "2", "--bf16", "--micro-batch-size", "2"],
     "dp2-distributed-optimizer-bf16": ["--use-distributed-optimizer", "--bf16", "--micro-batch-size", "2"],
     "fsdp": ["--engine", "fsdp", "--micro-batch-size", "2"],
+    "ep2-qwen3_moe": [*MOE, "--expert-model-parallel-size", "2"],  # whole experts on each rank, tokens to them
 }
 TOLERANCE = 0.10
 
@@ -89,3 +94,7 @@ def test_explain_is_within_ten_percent_of_a_real_step(case, shared_tmp, cache):
         elif "--engine" not in argv:  # megatron-core's scalars (the gradient norm, the metrics): exact
             assert listed == wanted, f"{key}: explain {listed:,} bytes per step, the run {wanted:,}"
     assert not wrong, wrong
+    if "--expert-model-parallel-size" in argv:  # each rank holds 1/E of the routed experts' weights
+        experts = estimated["experts"]
+        assert experts["model_params"] == EXPERT_BYTES and experts["expert_data_parallel"] == 1
+        assert experts["params"] == measured["experts"] == EXPERT_BYTES // 2

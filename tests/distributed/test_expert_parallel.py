@@ -1,0 +1,116 @@
+"""--expert-model-parallel-size: whole routed experts on ranks, tokens moved by all-to-all. Trained
+10 fp32 steps against one process at every layout it composes with; the all-to-all bytes against
+the analytic count; an expert-parallel checkpoint resumed and exported to HF."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from megatron_slapo.parallel.comm_log import CommLog
+from megatron_slapo.training.loop import pretrain
+from tests.distributed.runs import (
+    PARITY,
+    assert_parity,
+    layout_case,
+    reference_losses,
+    single_process_losses,
+    train_losses,
+)
+from tools.convert_checkpoint import main as convert
+
+FAMILIES = {"qwen3_moe": ["--moe-ffn-hidden-size", "32"], "mixtral": []}
+EP2, TP2, PP2 = (["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"],
+                 ["--pipeline-model-parallel-size", "2"])  # fmt: skip
+SP = ["--sequence-parallel"]
+TOPK, HIDDEN = 2, 64
+# (family, layout, world sizes, flags, slow): the default tier runs the plain EP2 case; the slow tier the others
+LAYOUTS = [
+    ("qwen3_moe", "ep2", (2,), EP2, False),
+    ("qwen3_moe", "ep2-allgather-distopt", (2,), [*EP2, "--moe-token-dispatcher-type", "allgather",
+                                                   "--use-distributed-optimizer"], True),
+    ("qwen3_moe", "ep2-ddp", (2,), [*EP2, "--engine", "ddp"], True),
+    ("mixtral", "ep2", (2,), EP2, True),
+    ("qwen3_moe", "ep2-tp2-sp", (4,), [*EP2, *TP2, *SP], True),  # each expert split by features too (ETP = TP)
+    ("qwen3_moe", "ep2-tp2-sp-etp1", (4,), [*EP2, *TP2, *SP, "--expert-tensor-parallel-size", "1"], True),
+    ("qwen3_moe", "ep2-pp2", (4,), [*EP2, *PP2], True),
+]  # fmt: skip
+
+
+def _trained(family: str) -> list[str]:
+    experts = ["--num-experts", "4", "--moe-router-topk", str(TOPK), *FAMILIES[family]]
+    return [*PARITY, "--lr", "1e-2", "--min-lr", "1e-3", "--model-type", family, "--schedule", "auto",
+            "--num-query-groups", "2", *experts]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(shared_tmp, cache):
+    here = [family for family, _, sizes, _, _ in LAYOUTS if dist.get_world_size() in sizes]
+    return reference_losses(shared_tmp, lambda family: ("gpt", [*_trained(family), "--data-cache-path", cache]), here)
+
+
+def _case(family: str, layout: str, sizes: tuple, flags: list, slow: bool) -> pytest.param:
+    case = layout_case(family, layout, sizes, flags)
+    return pytest.param(*case.values, id=case.id, marks=[*case.marks, *([pytest.mark.slow] if slow else [])])
+
+
+@pytest.mark.parametrize("family, flags", [_case(*layout) for layout in LAYOUTS])
+def test_expert_parallel_trains_as_one_process(family, flags, reference, shared_tmp, cache, request):
+    tb = os.path.join(shared_tmp, f"tb-ep-{request.node.callspec.id}")
+    losses = train_losses("gpt", [*_trained(family), *flags, "--data-cache-path", cache], tb)
+    assert_parity(losses, reference(family), 1e-5)
+
+
+def test_all_to_all_bytes_per_step_equal_the_analytic_count(shared_tmp, cache, monkeypatch):
+    """Per MoE layer and micro-batch, each of the tokens x top-k routed rows (hidden x 4 bytes) crosses
+    four times: to its expert's rank and back, forward and backward. A rank's share depends on the
+    routing (the rows it receives), so the count is summed over the expert-parallel ranks; the
+    routing counts themselves go by all-gather, not by all-to-all."""
+    counts = []
+    take = CommLog.take
+    monkeypatch.setattr(CommLog, "take", lambda self: counts.append(take(self)) or counts[-1])
+    tb = os.path.join(shared_tmp, "tb-ep-comm")
+    pretrain("gpt", [*_trained("qwen3_moe"), "--train-iters", "3", *EP2, "--log-comm", "--data-cache-path", cache,
+                     "--tensorboard-dir", tb])  # fmt: skip
+    steps = counts[1::2]  # the loop takes the counts before each step (and drops them), then after it
+    mine = [step.get("all_to_all[ep]", 0) for step in steps]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    tokens = 4 * 32  # TINY: 8 sequences of 32 a step, 4 on each of the 2 data-parallel ranks
+    layers = 2
+    expected = dist.get_world_size() * layers * 4 * tokens * TOPK * HIDDEN * 4
+    assert len(mine) == 3 and [sum(step) for step in zip(*everyone, strict=True)] == [expected] * 3, (
+        everyone,
+        expected,
+    )
+    assert all("all_gather_single[ep]" in step for step in steps)  # the routing counts
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_resumes_and_exports_the_experts_in_hfs_layout(reference, shared_tmp, cache,
+                                                                                      rank):  # fmt: skip
+    """An EP2 run saved at step 5 resumes, at EP2 and in one process (each rank saved its own experts,
+    under their global place), to the uninterrupted run's losses; tools/convert_checkpoint.py to-hf
+    writes every expert in HF's layout and transformers loads exactly the saved tensors."""
+    root = os.path.join(shared_tmp, "ep-ckpt")
+    argv = [*_trained("qwen3_moe"), "--data-cache-path", cache]
+    first = train_losses("gpt", [*argv, *EP2, "--save", root, "--save-interval", "5", "--exit-interval", "5"],
+                         os.path.join(shared_tmp, "tb-ep-save"))  # fmt: skip
+    resumed = train_losses("gpt", [*argv, *EP2, "--load", root], os.path.join(shared_tmp, "tb-ep-resume"))
+    alone = single_process_losses("gpt", [*argv, "--load", root], os.path.join(shared_tmp, "tb-ep-resume-alone"))
+    hf, saved = os.path.join(shared_tmp, "ep-hf"), os.path.join(shared_tmp, "ep-saved.pt")
+    if rank == 0:
+        convert(["to-hf", "--load", root, "--iteration", "5", "--save-hf", hf])
+        dcp_to_torch_save(os.path.join(root, "iter_0000005"), saved)
+    dist.barrier()
+    assert_parity({**first, **resumed}, reference("qwen3_moe"), 1e-5)
+    assert sorted(alone) == list(range(6, 11)) and max(abs(alone[i] - resumed[i]) for i in alone) < 1e-5
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape == (4, 2 * 32, HIDDEN) and experts.down_proj.shape == (4, HIDDEN, 32)
+    tensors = torch.load(saved, weights_only=False)
+    for name, value in model.state_dict().items():  # the vocabulary's padding rows (saved: they train) left out
+        assert torch.equal(value, tensors[f"model.{name}"][tuple(slice(0, n) for n in value.shape)]), name
