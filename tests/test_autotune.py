@@ -280,3 +280,26 @@ def test_the_readme_example_plans_tensor_parallel_points_with_gpt_tp(tmp_path):
     cost = autotune._planner("gpt", [*base, "--train-iters", "2", "--eval-iters", "0"], 2)(flags)  # refused before
     assert cost.peak > 0 and cost.traffic > 0  # the tensor-parallel all-gathers and reduce-scatters
     assert autotune.schedule_of("gpt", [*base, *flags]).startswith("gpt_tp, the default for gpt2")
+
+
+def test_an_moe_model_gets_expert_parallel_sizes_that_divide_its_experts_and_data_parallel_ranks():
+    from tools import autotune
+
+    ask = autotune_args(["--sp", "off", "--recompute", "none", "--micro-batch-sizes", "1", "--zero", "0,1,2"])
+    points = list(autotune.gpt_space(4, 2, 4, 8, ask, experts=6))
+    by_layout = {(p["tp"], p["pp"], p["zero"]): sorted({q["ep"] for q in points if (q["tp"], q["pp"], q["zero"]) ==
+                                                      (p["tp"], p["pp"], p["zero"])}) for p in points}  # fmt: skip
+    assert by_layout[(1, 1, 0)] == [1, 2] and by_layout[(1, 1, 1)] == [1, 2]  # 4 does not divide 6 experts
+    assert by_layout[(1, 1, 2)] == [1]  # ZeRO-2 (DeepSpeed) runs no expert parallelism
+    assert by_layout[(4, 1, 0)] == [1]  # no data-parallel ranks to carve from
+    flags = autotune.flags_of(next(p for p in points if p["ep"] == 2))
+    assert flags[flags.index("--expert-model-parallel-size") + 1] == "2"
+    dense = list(autotune.gpt_space(4, 2, 4, 8, ask))
+    assert {p["ep"] for p in dense} == {1} and "--expert-model-parallel-size" not in autotune.flags_of(dense[0])
+
+
+def autotune_args(argv):
+    """The tuner's own candidate flags, parsed as its main() parses them."""
+    from tools import autotune
+
+    return autotune.parser().parse_known_args(argv)[0]

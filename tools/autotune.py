@@ -69,7 +69,7 @@ ZERO = {0: [], 1: ["--use-distributed-optimizer"], 2: ["--engine", "deepspeed", 
 CHOSEN = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--sequence-parallel", "--engine",
           "--zero-stage", "--deepspeed-config", "--use-distributed-optimizer", "--micro-batch-size",
           "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--checkpoint-ratio",
-          "--num-layers-per-virtual-pipeline-stage")  # fmt: skip
+          "--num-layers-per-virtual-pipeline-stage", "--expert-model-parallel-size")  # fmt: skip
 
 
 def _ints(text: str) -> list[int]:
@@ -88,6 +88,7 @@ def _switches(text: str) -> list[bool]:
 def check_candidates(ours: argparse.Namespace) -> None:
     """ConfigError naming the first of the tuner's own flags whose value is out of range."""
     least = {"--nproc-per-node": ([ours.nproc_per_node], 1), "--tp": (ours.tp or [], 1), "--pp": (ours.pp or [], 1),
+             "--ep": (ours.ep or [], 1),
              "--micro-batch-sizes": (ours.micro_batch_sizes, 1), "--zero": (ours.zero, 0),
              "--warmup": ([ours.warmup], 0), "--steps": ([ours.steps], 1), "--trial-timeout": ([ours.trial_timeout], 1),
              "--confirm-rounds": ([ours.confirm_rounds], 0)}  # fmt: skip
@@ -105,9 +106,12 @@ def check_candidates(ours: argparse.Namespace) -> None:
         raise ConfigError(f"--memory-budget-gib {ours.memory_budget_gib} must be > 0")
 
 
-def gpt_space(world: int, layers: int | None, heads: int | None, global_batch: int, ask: argparse.Namespace) -> Space:
+def gpt_space(world: int, layers: int | None, heads: int | None, global_batch: int, ask: argparse.Namespace,
+              experts: int | None = None) -> Space:  # fmt: skip
     """The tuner's space for a decoder of ``layers`` and ``heads`` on ``world`` ranks (where the
-    flags leave them to the HF config, explain refuses what does not divide)."""
+    flags leave them to the HF config, explain refuses what does not divide). An MoE model of
+    ``experts`` experts also gets expert-parallel sizes that divide them and the data-parallel
+    ranks (all of them unless ``--ep`` lists some), on the engines that run them (not ZeRO-2/3)."""
 
     def dp(point: Point) -> int:
         return world // (point["tp"] * point["pp"])
@@ -121,6 +125,8 @@ def gpt_space(world: int, layers: int | None, heads: int | None, global_batch: i
                                   if divides(s, world // p["tp"]) and divides(s, layers)])  # fmt: skip
     space.symbol("sp", lambda p: [v for v in (False, True) if v in ask.sp and (not v or p["tp"] > 1)])
     space.symbol("zero", lambda p: [z for z in ask.zero if z == 0 or (dp(p) > 1 and (z < 2 or p["pp"] == 1))])
+    space.symbol("ep", lambda p: [e for e in ask.ep or range(1, dp(p) + 1) if e == 1 or (
+        experts and experts % e == 0 and dp(p) % e == 0 and p["zero"] < 2)])  # fmt: skip
     space.symbol("mbs", lambda p: [m for m in ask.micro_batch_sizes if (global_batch // dp(p)) % m == 0])
     space.symbol("recompute", ask.recompute)
     space.constraint(lambda p: global_batch % dp(p) == 0, "the global batch divides over the data-parallel ranks")
@@ -130,6 +136,8 @@ def gpt_space(world: int, layers: int | None, heads: int | None, global_batch: i
 def flags_of(point: Point) -> list[str]:
     flags = ["--tensor-model-parallel-size", str(point["tp"]), "--pipeline-model-parallel-size", str(point["pp"]),
              "--micro-batch-size", str(point["mbs"]), *ZERO[point["zero"]], *RECOMPUTE[point["recompute"]]]  # fmt: skip
+    if point.get("ep", 1) > 1:  # a dense model's points (and results kept from before) have none
+        flags += ["--expert-model-parallel-size", str(point["ep"])]
     return [*flags, "--sequence-parallel"] if point["sp"] else flags
 
 
@@ -219,7 +227,8 @@ def schedule_of(task: str, flags: list[str]) -> str:
     return f"{settings.schedule}, {settings.schedule_reason}"
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
+    """The tuner's own flags: the candidates and how to run the trials (the trainer's go after ``--``)."""
     p = argparse.ArgumentParser(
         prog="autotune.py",
         description=__doc__,
@@ -230,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nproc-per-node", type=int, default=torch.cuda.device_count() or 2)
     p.add_argument("--tp", type=_ints)
     p.add_argument("--pp", type=_ints)
+    p.add_argument("--ep", type=_ints, help="expert-parallel sizes of an MoE model (default: all that divide)")
     p.add_argument("--sp", type=_switches, default=[False, True], help="off,on")
     p.add_argument("--zero", type=_ints, default=[0, 1, 2, 3])
     p.add_argument("--micro-batch-sizes", type=_ints, default=[1, 2, 4, 8])
@@ -242,7 +252,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--exhaustive", action="store_true", help="run every configuration (Slapo's tuner), to compare")
     p.add_argument("--confirm-rounds", type=int, default=2,
                    help="rounds in which the trials within 10%% of the fastest run again; the best median wins")  # fmt: skip
-    ours, base = p.parse_known_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    ours, base = parser().parse_known_args(argv)
     if "--" in base:  # the trainer's flags: after it (or, unknown to the tuner, before it)
         base.remove("--")
     world = ours.nproc_per_node
@@ -254,7 +268,8 @@ def main(argv: list[str] | None = None) -> None:
         trial = [*base, "--train-iters", str(ours.warmup + ours.steps), "--eval-iters", "0"]
         # the model's shape, where the flags (or the embedded run) give it
         args = parse_args(ours.task, trial, prog="autotune.py")
-        space = gpt_space(world, args.num_layers, args.num_attention_heads, args.global_batch_size, ours)
+        space = gpt_space(world, args.num_layers, args.num_attention_heads, args.global_batch_size, ours,
+                          args.num_experts)  # fmt: skip
         if not len(space):
             raise ConfigError("the space is empty: no candidate combination divides the ranks, heads, layers and batch")
         budget = int(ours.memory_budget_gib * 2**30) if ours.memory_budget_gib else default_budget(world)

@@ -64,6 +64,7 @@ from megatron_slapo.engines.sharded_state import EngineState, Fill, init_adam_st
 from megatron_slapo.engines.stage_chunk import StageChunk, check_plan
 from megatron_slapo.errors import CheckpointError
 from megatron_slapo.parallel.collectives import Group, all_reduce_flat, comm_device, group_size
+from megatron_slapo.parallel.state import expert_groups
 from megatron_slapo.pipeline import PipelineStages
 
 PARAMETER_STATE = "distrib_optim.pt"  # Megatron-LM's file for the distributed optimizer's shards
@@ -354,9 +355,15 @@ class MegatronEngine:
 
     # -- accounting and checkpoints ----------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
-        """This rank's stages, as :func:`megatron_state` counts them."""
-        count = sum(p.numel() for chunk in self.chunks for p in chunk.parameters())
-        return megatron_state(self.args, count, group_size(self.dp_group))
+        """This rank's stages, as :func:`megatron_state` counts them; an MoE model's expert-parallel
+        weights with their optimizer state split over the expert-data-parallel ranks instead."""
+        params = [p for chunk in self.chunks for p in chunk.parameters()]
+        experts = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
+        report = megatron_state(self.args, sum(p.numel() for p in params) - experts, group_size(self.dp_group))
+        if experts:
+            for key, value in megatron_state(self.args, experts, group_size(expert_groups().data)).items():
+                report[key] += value
+        return report
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         """This rank's stages' weights, under the model's own parameter names."""

@@ -43,6 +43,16 @@ if TYPE_CHECKING:
 TOKENS = 0  # the experts see tokens flattened to rows
 
 
+def experts_arguments(module: nn.Module, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+    """``(hidden_states, top_k_index, top_k_weights)`` of a call to an HF experts module, taken out
+    of ``kwargs`` where given by name (a pre-hook hands them on positionally)."""
+    names = ("hidden_states", "top_k_index", "top_k_weights")
+    values = list(args) + [kwargs.pop(name) for name in names[len(args) :] if name in kwargs]
+    if len(values) != 3:
+        raise RuntimeError(f"{type(module).__name__} was called without ({', '.join(names)})")
+    return tuple(values)
+
+
 class ExpertsInput:
     """Forward pre-hook of a tensor-parallel experts module: the collectives on its inputs
     ``(hidden_states, top_k_index, top_k_weights)`` (see the module docstring)."""
@@ -54,11 +64,7 @@ class ExpertsInput:
         return self  # holds a process group handle, shared rather than copied
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        names = ("hidden_states", "top_k_index", "top_k_weights")
-        values = list(args) + [kwargs.pop(name) for name in names[len(args) :] if name in kwargs]
-        if len(values) != 3:
-            raise RuntimeError(f"{type(module).__name__} was called without ({', '.join(names)})")
-        hidden, index, weights = values
+        hidden, index, weights = experts_arguments(module, args, kwargs)
         if self.sequence_parallel:
             hidden = C.all_gather(hidden, TOKENS, self.group, "reduce_scatter")
             weights = C.all_gather(weights, TOKENS, self.group, "reduce_scatter")

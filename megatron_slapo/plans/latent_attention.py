@@ -25,6 +25,12 @@ the children so:
   gradients are partial sums, tagged ``sequence_parallel`` (as Megatron tags such parameters) for
   every engine to sum over the tensor-parallel ranks;
 - ``num_heads`` divided by the TP size (HF reshapes with ``-1`` heads; the count is kept true).
+
+The block is entered as every attention block here is, at its input. Megatron, under
+``--sequence-parallel``, runs the down-projections on this rank's part of the sequence and
+all-gathers their narrow outputs instead (queries' and keys/values' ranks and the rotary key: 2112
+features in DeepSeek-V3, against 7168 hidden); doing so here would need a region inside the HF
+module's forward.
 """
 
 from __future__ import annotations

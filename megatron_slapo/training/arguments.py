@@ -76,6 +76,12 @@ def _model(p: argparse.ArgumentParser, model_types: Sequence[str]) -> None:
         "the family scales it)",
     )
     g.add_argument("--moe-router-topk", type=int, help="experts per token (default: the family's)")
+    g.add_argument("--moe-expert-capacity-factor", type=float,
+                   help="each expert takes at most this times an even share of the routed tokens; the others are "
+                        "dropped and counted on the log line (default: no limit)")  # fmt: skip
+    g.add_argument("--moe-token-drop-policy", choices=("probs", "position"), default="probs",
+                   help="with --moe-expert-capacity-factor, which tokens an expert keeps: those of highest routing "
+                        "probability, or the first ones")  # fmt: skip
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
                    help="the coefficient of an MoE model's load-balancing loss, added to the loss (> 0 turns it on; "
                         "default 0: as the model's config says, output_router_logits and router_aux_loss_coef)")  # fmt: skip

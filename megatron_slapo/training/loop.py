@@ -36,6 +36,7 @@ from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.parallel.state import Layout
 from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.plans import sequence
+from megatron_slapo.plans.expert_capacity import DROPPED, drops_tokens
 from megatron_slapo.training import checkpointing, dist_checkpoint, error_report, recompute
 from megatron_slapo.training.arguments import parse_args
 from megatron_slapo.training.checkpointing import Resume
@@ -198,6 +199,9 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
         trace_for_pipeline(sch, task, args, layers, settings.seq_length)
     schedule.apply(sch, config, args)
     shards = any(node.metadata.shards for _, node in sch.named_schedules())
+    if args.moe_expert_capacity_factor is not None and not drops_tokens(model):
+        raise ConfigError(f"--moe-expert-capacity-factor: --schedule {settings.schedule} placed no experts to limit "
+                          "(a dense model, or a schedule that does not place them: MoE models take --schedule auto)")  # fmt: skip
     if args.expert_model_parallel_size > 1 and not any(n.metadata.expert_shards for _, n in sch.named_schedules()):
         raise ConfigError(f"--expert-model-parallel-size {args.expert_model_parallel_size}: --schedule "
                           f"{settings.schedule} placed no experts on the expert-parallel ranks (a dense model, or a "
@@ -420,6 +424,8 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
         with run.reporter.measure_memory(run.engine, len(micro)):  # the first step's, logged at reporter.step
             result = run.engine.train_step(micro, run.task)
         timers("train-step").stop()
+        if args.moe_expert_capacity_factor is not None:  # before --log-comm's count: it is a collective
+            result.metrics["moe dropped tokens (fraction)"] = DROPPED.take_fraction()
         if comm:
             result.comm = comm.take()
         state.iteration += 1

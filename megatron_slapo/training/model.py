@@ -117,7 +117,8 @@ def _scaled_down(
     config = cls(**sizes, **{k: v for k, v in optional.items() if hasattr(default, k)})
     if getattr(config, "pad_token_id", None) is not None:  # a default's id may even lie beyond the vocabulary
         config.pad_token_id = None
-    if getattr(config, "head_dim", None):  # derived from the width, not the default's
+    if getattr(config, "head_dim", None) and not getattr(config, "qk_rope_head_dim", None):
+        # derived from the width, not the default's (multi-head latent attention's head_dim is its rotary part)
         config.head_dim = args.hidden_size // args.num_attention_heads
     _set_experts(config, default, args, ffn)
     return config
@@ -162,6 +163,13 @@ def _set_experts(
     top_k = args.moe_router_topk or min(family_top_k, args.num_experts)
     if top_k > args.num_experts:
         raise ConfigError(f"--moe-router-topk {top_k} exceeds --num-experts {args.num_experts}")
+    groups = getattr(config, "n_group", None)
+    if groups and (args.num_experts % groups or args.num_experts // groups < 2):
+        raise ConfigError(f"--num-experts {args.num_experts}: {config.model_type} routes within {groups} groups of "
+                          f"experts (n_group), each of 2 or more: give a multiple of {2 * groups}, or --hf-config")  # fmt: skip
+    if hasattr(config, "n_shared_experts") and config.n_shared_experts is None:
+        raise ConfigError(f"--model-type {config.model_type}: its config's default has no shared-expert count "
+                          "(n_shared_experts) to build from the size flags; give --hf-config")  # fmt: skip
     setattr(config, count, args.num_experts)
     config.num_experts_per_tok = top_k
     for flag, given in (("moe_ffn_hidden_size", args.moe_ffn_hidden_size),

@@ -12,14 +12,17 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.training.loop import pretrain
+from tests.distributed.families import saved_configs
 from tests.distributed.runs import (
     PARITY,
     assert_parity,
+    last_rank_value,
     layout_case,
     reference_losses,
     single_process_losses,
     train_losses,
 )
+from tests.utils import tb_scalars
 from tools.convert_checkpoint import main as convert
 
 FAMILIES = {"qwen3_moe": ["--moe-ffn-hidden-size", "32"], "mixtral": []}
@@ -37,19 +40,36 @@ LAYOUTS = [
     ("qwen3_moe", "ep2-tp2-sp", (4,), [*EP2, *TP2, *SP], True),  # each expert split by features too (ETP = TP)
     ("qwen3_moe", "ep2-tp2-sp-etp1", (4,), [*EP2, *TP2, *SP, "--expert-tensor-parallel-size", "1"], True),
     ("qwen3_moe", "ep2-pp2", (4,), [*EP2, *PP2], True),
+    ("deepseek_v3", "ep2", (2,), EP2, True),  # MLA, grouped top-k, shared experts, a dense first layer
+    ("dots1", "ep2", (2,), EP2, True),
+    ("qwen3_moe-capacity", "ep2", (2,), EP2, True),  # tokens over capacity dropped, the same as on one device
 ]  # fmt: skip
+CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
+CONFIGURED = ("deepseek_v3", "dots1")  # built from families.py's tiny configs (--hf-config)
 
 
-def _trained(family: str) -> list[str]:
+def _trained(case: str, configs: str = "") -> list[str]:
+    family, capacity = case.removesuffix("-capacity"), case.endswith("-capacity")
+    fast = [*PARITY, "--lr", "1e-2", "--min-lr", "1e-3", "--schedule", "auto", *(CAPACITY if capacity else [])]
+    if family in CONFIGURED:
+        return [*fast, "--hf-config", os.path.join(configs, family)]
     experts = ["--num-experts", "4", "--moe-router-topk", str(TOPK), *FAMILIES[family]]
-    return [*PARITY, "--lr", "1e-2", "--min-lr", "1e-3", "--model-type", family, "--schedule", "auto",
-            "--num-query-groups", "2", *experts]  # fmt: skip
+    return [*fast, "--model-type", family, "--num-query-groups", "2", *experts]
 
 
 @pytest.fixture(scope="module")
-def reference(shared_tmp, cache):
+def configs(shared_tmp):
+    return saved_configs(os.path.join(shared_tmp, "ep-configs"), list(CONFIGURED))
+
+
+@pytest.fixture(scope="module")
+def reference(shared_tmp, cache, configs):
     here = [family for family, _, sizes, _, _ in LAYOUTS if dist.get_world_size() in sizes]
-    return reference_losses(shared_tmp, lambda family: ("gpt", [*_trained(family), "--data-cache-path", cache]), here)
+
+    def run(family: str) -> tuple[str, list[str]]:
+        return "gpt", [*_trained(family, configs), "--data-cache-path", cache]
+
+    return reference_losses(shared_tmp, run, here)
 
 
 def _case(family: str, layout: str, sizes: tuple, flags: list, slow: bool) -> pytest.param:
@@ -58,10 +78,13 @@ def _case(family: str, layout: str, sizes: tuple, flags: list, slow: bool) -> py
 
 
 @pytest.mark.parametrize("family, flags", [_case(*layout) for layout in LAYOUTS])
-def test_expert_parallel_trains_as_one_process(family, flags, reference, shared_tmp, cache, request):
+def test_expert_parallel_trains_as_one_process(family, flags, reference, configs, shared_tmp, cache, request):
     tb = os.path.join(shared_tmp, f"tb-ep-{request.node.callspec.id}")
-    losses = train_losses("gpt", [*_trained(family), *flags, "--data-cache-path", cache], tb)
+    losses = train_losses("gpt", [*_trained(family, configs), *flags, "--data-cache-path", cache], tb)
     assert_parity(losses, reference(family), 1e-5)
+    if family.endswith("-capacity"):  # the log reports the pairs dropped: some, not all
+        dropped = last_rank_value(lambda: tb_scalars(tb, "moe dropped tokens (fraction)"))
+        assert sorted(dropped) == list(range(1, 11)) and 0 < min(dropped.values()) <= max(dropped.values()) < 1
 
 
 def test_all_to_all_bytes_per_step_equal_the_analytic_count(shared_tmp, cache, monkeypatch):
