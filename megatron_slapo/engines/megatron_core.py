@@ -49,6 +49,7 @@ from megatron_slapo.engines.base import (
     to_device,
 )
 from megatron_slapo.engines.loss_scaler import load_scaler_state
+from megatron_slapo.engines.megatron_memory import count_each_ranks_experts, megatron_state_with_experts
 from megatron_slapo.engines.megatron_state import (
     adam_optimizers,
     adam_steps,
@@ -64,24 +65,12 @@ from megatron_slapo.engines.sharded_state import EngineState, Fill, init_adam_st
 from megatron_slapo.engines.stage_chunk import StageChunk, check_plan
 from megatron_slapo.errors import CheckpointError
 from megatron_slapo.parallel.collectives import Group, all_reduce_flat, comm_device, group_size
-from megatron_slapo.parallel.state import expert_groups
 from megatron_slapo.pipeline import PipelineStages
 
 PARAMETER_STATE = "distrib_optim.pt"  # Megatron-LM's file for the distributed optimizer's shards
 # Not actionable here: a default of TransformerConfig, and the missing apex (see the README's notes).
 warnings.filterwarnings("ignore", "full scope is deprecated", UserWarning)
 warnings.filterwarnings("ignore", "Apex is not installed", UserWarning)
-
-
-def megatron_state(args: argparse.Namespace, count: int, dp: int) -> dict[str, int]:
-    """Bytes of ``count`` weights on a rank of ``dp`` data-parallel ones: the weights in the
-    training dtype; the gradient buffers in fp32 or that dtype (:func:`megatron_fp32_grads`);
-    AdamW's fp32 moments, and with --bf16/--fp16 the fp32 main weights, a DP shard of it all with
-    the distributed optimizer. :meth:`MegatronEngine.memory_report`'s, and ``tools/explain.py``'s."""
-    half = half_precision(args) is not None
-    optimizer = count * 4 * (3 if half else 2)
-    return {"params": count * (2 if half else 4), "grads": count * (4 if megatron_fp32_grads(args) else 2),
-            "optimizer": optimizer // dp if args.use_distributed_optimizer else optimizer}  # fmt: skip
 
 
 class MegatronEngine:
@@ -207,7 +196,7 @@ class MegatronEngine:
             loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
         )  # fmt: skip
         optimizer = get_megatron_optimizer(config, self.ddp)
-        _count_each_rank_s_experts(optimizer)
+        count_each_ranks_experts(optimizer)
         return optimizer
 
     # -- steps -------------------------------------------------------------------------------------
@@ -358,12 +347,7 @@ class MegatronEngine:
         """This rank's stages, as :func:`megatron_state` counts them; an MoE model's expert-parallel
         weights with their optimizer state split over the expert-data-parallel ranks instead."""
         params = [p for chunk in self.chunks for p in chunk.parameters()]
-        experts = sum(p.numel() for p in params if getattr(p, "expert_parallel", False))
-        report = megatron_state(self.args, sum(p.numel() for p in params) - experts, group_size(self.dp_group))
-        if experts:
-            for key, value in megatron_state(self.args, experts, group_size(expert_groups().data)).items():
-                report[key] += value
-        return report
+        return megatron_state_with_experts(self.args, params, group_size(self.dp_group))
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         """This rank's stages' weights, under the model's own parameter names."""
@@ -483,20 +467,6 @@ class MegatronEngine:
             if self.args.fp16 and "grad_scaler" in state.scalars:
                 for part in optimizer_parts(self.optimizer):
                     load_scaler_state(part.grad_scaler, state.scalars["grad_scaler"])
-
-
-def _count_each_rank_s_experts(optimizer: Any) -> None:
-    """megatron-core builds an MoE model's expert-parallel weights their own optimizer, whose norm
-    counts a weight not tagged ``tensor_model_parallel`` on TP rank 0 only (as a TP duplicate). Its
-    own expert layers always carry the tag; ours do not when the experts are not split by features
-    (``--expert-tensor-parallel-size 1``), and then each TP rank holds other experts: the duplicate
-    test must ask the expert-tensor-parallel group (``tp_group``, which megatron-core sets to the
-    dense one, marked as a TODO there)."""
-    from megatron.core import parallel_state as ps
-
-    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if any(getattr(p, "expert_parallel", False) for p in part.get_parameters()):
-            part.tp_group = ps.get_expert_tensor_parallel_group()
 
 
 def _without_constant_scaler(state: Any) -> Any:

@@ -44,7 +44,7 @@ from megatron_slapo.compat.transformers_internals import unpacked_on_meta
 from megatron_slapo.data.samplers import data_loader
 from megatron_slapo.engines.base import adamw_state
 from megatron_slapo.engines.deepspeed_zero import deepspeed_config, zero_state
-from megatron_slapo.engines.megatron_core import megatron_state
+from megatron_slapo.engines.megatron_memory import megatron_state
 from megatron_slapo.engines.optimizer import half_precision, megatron_fp32_grads
 from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.parallel.comm_log import CommLog, group_names

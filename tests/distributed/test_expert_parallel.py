@@ -43,14 +43,15 @@ LAYOUTS = [
     ("deepseek_v3", "ep2", (2,), EP2, True),  # MLA, grouped top-k, shared experts, a dense first layer
     ("dots1", "ep2", (2,), EP2, True),
     ("qwen3_moe-capacity", "ep2", (2,), EP2, True),  # tokens over capacity dropped, the same as on one device
+    ("qwen3_moe-aux", "ep2", (2,), EP2, True),  # with the model's load-balancing loss
 ]  # fmt: skip
-CAPACITY = ["--moe-expert-capacity-factor", "1.0"]
+VARIANTS = {"capacity": ["--moe-expert-capacity-factor", "1.0"], "aux": ["--moe-aux-loss-coeff", "0.1"]}
 CONFIGURED = ("deepseek_v3", "dots1")  # built from families.py's tiny configs (--hf-config)
 
 
 def _trained(case: str, configs: str = "") -> list[str]:
-    family, capacity = case.removesuffix("-capacity"), case.endswith("-capacity")
-    fast = [*PARITY, "--lr", "1e-2", "--min-lr", "1e-3", "--schedule", "auto", *(CAPACITY if capacity else [])]
+    family, _, variant = case.partition("-")
+    fast = [*PARITY, "--lr", "1e-2", "--min-lr", "1e-3", "--schedule", "auto", *VARIANTS.get(variant, [])]
     if family in CONFIGURED:
         return [*fast, "--hf-config", os.path.join(configs, family)]
     experts = ["--num-experts", "4", "--moe-router-topk", str(TOPK), *FAMILIES[family]]
