@@ -30,6 +30,10 @@ def applied(node: ScheduleNode) -> list[str]:
         items.append(f"replaced {meta.replaced} by {type(node.mod).__name__}")
     if meta.role is not None:
         items.append(f"{meta.role.value}-parallel")
+    for name, split in sorted(meta.expert_shards.items()):
+        n = split.full_shape[0] // split.size
+        items.append(f"experts {name}: {split.rank * n}..{(split.rank + 1) * n - 1} of {split.full_shape[0]} "
+                     f"(expert-parallel rank {split.rank} of {split.size})")  # fmt: skip
     for name, spec in sorted(meta.shards.items()):
         local = tuple(getattr(node.mod, name).shape)
         stride = f", stride {spec.stride}" if spec.stride > 1 else ""
@@ -59,11 +63,12 @@ def explain(sch: ScheduleNode) -> str:
     local = sum(p.numel() for p in sch.mod.parameters())
     sharded = {}  # tensor id -> (whole, local) elements: a tied tensor once, as parameters() counts it
     for _, node in sch.named_schedules():
-        for name, spec in node.metadata.shards.items():
+        for name in {**node.metadata.shards, **node.metadata.expert_shards}:
             if name not in own_parameters(node.mod):  # a buffer (BatchNorm's statistics): not a parameter
                 continue
+            split = node.metadata.expert_shards.get(name)  # the experts' whole, before any feature shard
             tensor = getattr(node.mod, name)
-            sharded[id(tensor)] = (spec.full_shape.numel(), tensor.numel())
+            sharded[id(tensor)] = ((split or node.metadata.shards[name]).full_shape.numel(), tensor.numel())
     whole = local + sum(full - here for full, here in sharded.values())
     head = (f"{type(sch.mod).__name__}: tensor-parallel rank {sch.rank} of {sch.world_size}; parameters here "
             f"{local:,} of {whole:,} ({local / max(whole, 1):.0%})")  # fmt: skip

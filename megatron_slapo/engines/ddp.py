@@ -92,7 +92,11 @@ class DDPEngine:
         """Sum the expert-parallel weights' gradients over the ranks holding the same experts and divide
         by the data-parallel size, as megatron-core's DDP does: an expert's gradient on one rank already
         sums what every rank of its expert-parallel group sent it, from as many data-parallel replicas."""
-        grads = [p.grad for p in self.params if getattr(p, "expert_parallel", False) and p.grad is not None]
+        experts = [p for p in self.params if getattr(p, "expert_parallel", False)]
+        for p in experts:  # experts no token reached this step: every rank must send the same buffer
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in experts]
         all_reduce_flat(grads, self.experts.data)
         for grad in grads:
             grad.div_(group_size(self.dp_group))

@@ -49,7 +49,7 @@ from megatron_slapo.engines.base import (
     to_device,
 )
 from megatron_slapo.engines.loss_scaler import load_scaler_state
-from megatron_slapo.engines.megatron_memory import count_each_ranks_experts, megatron_state_with_experts
+from megatron_slapo.engines.megatron_experts import megatron_state_with_experts, norm_counts_each_ranks_experts
 from megatron_slapo.engines.megatron_state import (
     adam_optimizers,
     adam_steps,
@@ -196,7 +196,7 @@ class MegatronEngine:
             loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
         )  # fmt: skip
         optimizer = get_megatron_optimizer(config, self.ddp)
-        count_each_ranks_experts(optimizer)
+        norm_counts_each_ranks_experts(optimizer)
         return optimizer
 
     # -- steps -------------------------------------------------------------------------------------
@@ -330,7 +330,10 @@ class MegatronEngine:
         from megatron_slapo.engines.optimizer import global_norm
 
         params = [p for chunk in self.chunks for p in chunk.parameters() if not getattr(p, "shared", False)]
-        squared = torch.tensor(global_norm(params, self.tp_group, of_grads=False) ** 2)
+        experts = ps.get_expert_tensor_and_model_parallel_group() if any(
+            getattr(p, "expert_parallel", False) for p in params) else None  # fmt: skip
+        squared = torch.tensor(global_norm(params, self.tp_group, of_grads=False, expert_group=experts) ** 2,
+                               device=comm_device())  # fmt: skip
         if self.pp_size > 1:
             dist.all_reduce(squared, group=ps.get_pipeline_model_parallel_group())
         return float(squared.sqrt())

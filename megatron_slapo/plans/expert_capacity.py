@@ -7,7 +7,8 @@ are all dropped passes through the block's residual connection alone). ``--moe-t
 decides which pairs an expert keeps: those of highest routing weight (``probs``, Megatron's
 default) or the first tokens (``position``).
 
-The count is over the tokens an experts module sees in one call: a micro-batch's on one device and
+Under expert parallelism the pairs dropped are not sent to their experts' ranks at all (the
+all-to-all's bytes shrink with the drops). The count is over the tokens an experts module sees in one call: a micro-batch's on one device and
 on a data- or expert-parallel rank (the same tokens, so the same drops), the whole micro-batch's
 sequence when the experts gather it (``--sequence-parallel`` with experts split by features), a
 rank's part of the sequence when they do not (Megatron too counts each rank's tokens). The pairs
@@ -25,7 +26,9 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_slapo.compat.torch_nn import forward_pre_hooks
+from megatron_slapo.module_surgery import base_forward
 from megatron_slapo.parallel.collectives import comm_device
+from megatron_slapo.plans.expert_parallel import ExpertParallelForward
 from megatron_slapo.plans.experts import experts_arguments
 
 if TYPE_CHECKING:
@@ -35,7 +38,7 @@ DropPolicy = Literal["probs", "position"]
 
 
 class DroppedTokens:
-    """The (token, choice) pairs dropped and routed in this process since the last :meth:`take`."""
+    """The (token, choice) pairs dropped and routed in this process since the last :meth:`take_fraction`."""
 
     def __init__(self) -> None:
         self.dropped = self.routed = 0
@@ -86,6 +89,8 @@ class DropOverCapacity:
         keep = kept(index, weights, self.experts, capacity, self.policy)
         DROPPED.dropped += int(keep.numel() - keep.sum())
         DROPPED.routed += keep.numel()
+        if isinstance(base_forward(module), ExpertParallelForward):  # its dispatch leaves them out, sends nothing
+            index = index.masked_fill(~keep, self.experts)
         return (hidden, index, weights * keep.to(weights.dtype)), kwargs
 
 

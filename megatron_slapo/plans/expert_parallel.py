@@ -14,8 +14,8 @@ layer keep their placement; each rank routes its own tokens, then:
   to them and reduce-scatters the partial outputs back (more bytes; no data-dependent sizes).
 
 Each expert is then split by its features over the expert-tensor-parallel ranks when that size is
-the TP size (:class:`~megatron_slapo.plans.experts.TensorParallelExperts`' collectives around this
-exchange). The local experts compute as one grouped GEMM where torch offers it for these tensors
+the TP size, with :class:`~megatron_slapo.plans.experts.TensorParallelExperts`' collectives (its
+``ExpertsInput`` pre-hook and one reduction of the output) around this exchange. The local experts compute as one grouped GEMM where torch offers it for these tensors
 (transformers' ``grouped_mm_experts_forward``), else with the model's own loop over experts; both
 see only this rank's experts (``num_experts`` is set to the local count). Tokens are independent in
 an MoE layer, so the ranks holding a block's tokens must hold different tokens: the data-parallel
@@ -48,14 +48,20 @@ Dispatcher = Literal["alltoall", "allgather"]
 WEIGHTS = ("gate_up_proj", "down_proj")  # an HF experts module's 3-D weights, experts along dim 0
 
 
-def _local_experts(mod: nn.Module, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def local_experts(mod: nn.Module, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """This rank's experts on ``rows`` (one per routed pair), expert ``ids[i]`` (local numbering) for
     row ``i``, unweighted: one grouped GEMM where torch offers it, else the model's own forward."""
     ones = rows.new_ones(rows.size(0), 1)
     grouped = grouped_experts_forward(mod, rows)
     if grouped is not None:
-        return grouped(mod, rows, ids.unsqueeze(1), ones)
-    return type(mod).forward(mod, rows, ids.unsqueeze(1), ones)
+        out = grouped(mod, rows, ids.unsqueeze(1), ones)
+    else:
+        out = type(mod).forward(mod, rows, ids.unsqueeze(1), ones)
+    if torch.is_grad_enabled() and not out.requires_grad:  # no rows came (HF's loop then returns a constant):
+        # the backward must still pass through here, or this rank would skip the exchanges' backward
+        # collectives that the other ranks wait in
+        out = out + rows.sum() * 0 + sum(getattr(mod, name).sum() for name in WEIGHTS) * 0
+    return out
 
 
 def _meta_experts(mod: nn.Module, rows: torch.Tensor) -> torch.Tensor:
@@ -100,18 +106,21 @@ class ExpertParallelForward:
             back = C.all_to_all(_meta_experts(mod, arrived), sent, received, self.group)
             return (back.view(tokens, k, -1) * weights.unsqueeze(-1).to(back.dtype)).sum(1).to(hidden.dtype)
         flat = index.reshape(-1)
-        expert_of, order = torch.sort(flat, stable=True)  # pairs by expert, so by the rank that holds it
-        rows = hidden[order // k]
-        counts = torch.bincount(flat, minlength=experts)
-        everyone = C.gather_tensor(counts.unsqueeze(0), 0, self.group)  # (ranks, experts): who sends what
-        sent = counts.view(world, self.local).sum(1).tolist()
-        mine = everyone[:, rank * self.local : (rank + 1) * self.local]  # (source rank, my expert)
-        received = mine.sum(1).tolist()
-        arrived = C.all_to_all(rows, received, sent, self.group)  # by source rank, each by expert
-        ids = torch.repeat_interleave(torch.arange(self.local, device=flat.device).repeat(world), mine.reshape(-1))
-        back = C.all_to_all(_local_experts(mod, arrived, ids), sent, received, self.group)
-        unsorted = back[torch.argsort(order)]  # each pair's row, in (token, choice) order
-        out = (unsorted.view(tokens, k, -1) * weights.unsqueeze(-1).to(unsorted.dtype)).sum(1)
+        # pairs by expert, so by the rank that holds it; pairs dropped over capacity (expert id
+        # ``experts``, expert_capacity.py) sort last and are not sent
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=experts + 1)[:experts]
+        everyone = C.gather_tensor(counts.unsqueeze(0), 0, self.group).tolist()  # (ranks, experts): who sends what
+        sent = [sum(everyone[rank][r * self.local : (r + 1) * self.local]) for r in range(world)]
+        mine = [row[rank * self.local : (rank + 1) * self.local] for row in everyone]  # (source rank, my expert)
+        received = [sum(row) for row in mine]
+        routed = order[: sum(sent)]
+        arrived = C.all_to_all(hidden[routed // k], received, sent, self.group)  # by source rank, each by expert
+        ids = torch.repeat_interleave(torch.arange(self.local, device=flat.device).repeat(world),
+                                      torch.tensor(mine, device=flat.device).reshape(-1))  # fmt: skip
+        back = C.all_to_all(local_experts(mod, arrived, ids), sent, received, self.group)
+        pairs = back.new_zeros(tokens * k, back.size(-1)).index_copy(0, routed, back)  # in (token, choice) order
+        out = (pairs.view(tokens, k, pairs.size(-1)) * weights.unsqueeze(-1).to(pairs.dtype)).sum(1)
         return out.to(hidden.dtype)
 
     def _allgather(
@@ -125,7 +134,7 @@ class ExpertParallelForward:
             return C.reduce_scatter(hidden.new_empty(hidden.shape), 0, self.group)
         flat = index.reshape(-1)
         pairs = ((flat >= first) & (flat < first + self.local)).nonzero().squeeze(1)  # routed to my experts
-        rows = _local_experts(mod, hidden[pairs // k], flat[pairs] - first)
+        rows = local_experts(mod, hidden[pairs // k], flat[pairs] - first)
         weighted = rows * weights.reshape(-1)[pairs].unsqueeze(1).to(rows.dtype)
         out = hidden.new_zeros(hidden.shape).index_add(0, pairs // k, weighted.to(hidden.dtype))
         return C.reduce_scatter(out, 0, self.group)
@@ -155,7 +164,7 @@ class ExpertParallelExperts:
     expert-parallel ranks, the tokens moved to them (module docstring); each expert further split by
     its features over the tensor-parallel ranks when the expert-tensor-parallel size is the TP size."""
 
-    groups: ExpertGroups
+    groups: ExpertGroups | None
     dispatcher: Dispatcher = "alltoall"
     sequence_parallel: bool = False
 
@@ -164,6 +173,8 @@ class ExpertParallelExperts:
             gate_up_axis, down_axis, stride = experts_layout(sch.mod)
         except ValueError as e:
             raise sch._error(f"{type(sch.mod).__name__}: {e}") from None
+        if self.groups is None:
+            raise sch._error("expert parallelism needs its groups: parallel.initialize(..., expert_parallel=E) first")
         size, rank = C.group_size(self.groups.model), C.group_rank(self.groups.model)
         experts = sch.mod.gate_up_proj.size(0)
         for name in WEIGHTS:

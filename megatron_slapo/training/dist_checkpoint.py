@@ -261,8 +261,11 @@ def layout_record(args: argparse.Namespace, world: int) -> dict[str, Any]:
     elif engine == "megatron" and getattr(args, "use_distributed_optimizer", False):
         engine = "megatron with the distributed optimizer"
     tp, pp = args.tensor_model_parallel_size, getattr(args, "pipeline_model_parallel_size", 1)
-    return {"tensor": tp, "pipeline": pp, "data": world // (tp * pp), "engine": engine,
-            "virtual": getattr(args, "num_layers_per_virtual_pipeline_stage", None)}  # fmt: skip
+    record = {"tensor": tp, "pipeline": pp, "data": world // (tp * pp), "engine": engine,
+              "virtual": getattr(args, "num_layers_per_virtual_pipeline_stage", None)}  # fmt: skip
+    if getattr(args, "expert_model_parallel_size", 1) > 1:  # recorded only when on: older records have none
+        record["expert"] = args.expert_model_parallel_size
+    return record
 
 
 def resharding(saved: dict[str, Any], here: dict[str, Any]) -> str:
@@ -274,7 +277,8 @@ def resharding(saved: dict[str, Any], here: dict[str, Any]) -> str:
 def layout_text(record: dict[str, Any]) -> str:
     """``TP2 x PP2 x DP1, megatron`` (virtual stages when there are)."""
     virtual = f" (virtual stages of {record['virtual']} layers)" if record.get("virtual") else ""
-    return f"TP{record['tensor']} x PP{record['pipeline']}{virtual} x DP{record['data']}, {record['engine']}"
+    experts = f" (EP{record['expert']})" if record.get("expert") else ""
+    return f"TP{record['tensor']} x PP{record['pipeline']}{virtual} x DP{record['data']}{experts}, {record['engine']}"
 
 
 def _same_ranks(saved: dict[str, Any], here: dict[str, Any]) -> bool:

@@ -199,7 +199,7 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
         trace_for_pipeline(sch, task, args, layers, settings.seq_length)
     schedule.apply(sch, config, args)
     shards = any(node.metadata.shards for _, node in sch.named_schedules())
-    if args.moe_expert_capacity_factor is not None and not drops_tokens(model):
+    if getattr(args, "moe_expert_capacity_factor", None) is not None and not drops_tokens(model):
         raise ConfigError(f"--moe-expert-capacity-factor: --schedule {settings.schedule} placed no experts to limit "
                           "(a dense model, or a schedule that does not place them: MoE models take --schedule auto)")  # fmt: skip
     if args.expert_model_parallel_size > 1 and not any(n.metadata.expert_shards for _, n in sch.named_schedules()):
@@ -424,7 +424,7 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
         with run.reporter.measure_memory(run.engine, len(micro)):  # the first step's, logged at reporter.step
             result = run.engine.train_step(micro, run.task)
         timers("train-step").stop()
-        if args.moe_expert_capacity_factor is not None:  # before --log-comm's count: it is a collective
+        if getattr(args, "moe_expert_capacity_factor", None) is not None:  # a collective: before --log-comm's count
             result.metrics["moe dropped tokens (fraction)"] = DROPPED.take_fraction()
         if comm:
             result.comm = comm.take()

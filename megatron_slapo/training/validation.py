@@ -28,7 +28,8 @@ from megatron_slapo.training.trainer_args import TRAINER_MINIMUM, check_trainer_
 # Flags that must be at least this large when given (None means "not given", which later checks handle).
 _MINIMUM = dict(
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=1,
-    expert_model_parallel_size=1, expert_tensor_parallel_size=1, moe_expert_capacity_factor=0.0, micro_batch_size=1, global_batch_size=1, train_iters=1, seq_length=1, max_position_embeddings=1,
+    expert_model_parallel_size=1, expert_tensor_parallel_size=1, micro_batch_size=1, global_batch_size=1,
+    train_iters=1, seq_length=1, max_position_embeddings=1,
     num_layers=1, hidden_size=1, num_attention_heads=1, num_query_groups=1, ffn_hidden_size=1,
     num_experts=1, moe_ffn_hidden_size=1, moe_shared_expert_intermediate_size=1, moe_router_topk=1,
     make_vocab_size_divisible_by=1, lr_decay_iters=1, lr_warmup_iters=0, recompute_num_layers=1,
@@ -179,6 +180,10 @@ def _check_expert_parallel(args: argparse.Namespace, problems: Problems) -> None
     if etp is not None and etp != tp and (ep == 1 or etp != 1):
         problems.add(f"--expert-tensor-parallel-size {etp}: the experts are split by their features over the "
                      f"tensor-parallel ranks ({tp}) or, with --expert-model-parallel-size > 1, not at all (1)")  # fmt: skip
+    capacity = getattr(args, "moe_expert_capacity_factor", None)
+    if capacity is not None and not capacity > 0:
+        problems.add(f"--moe-expert-capacity-factor {capacity} must be > 0: each expert keeps that times an even "
+                     "share of the routed tokens")  # fmt: skip
     if ep == 1:
         return
     if args.engine not in ("megatron", "ddp"):

@@ -140,3 +140,17 @@ def random_batches(run, seed: int) -> list[dict]:
     return [{"tokens": torch.randint(0, 100, shape, generator=generator),
              "labels": torch.randint(0, 100, shape, generator=generator),
              "loss_mask": torch.ones(shape)} for _ in range(count)]  # fmt: skip
+
+
+def refused_on_every_rank(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    """Run ``pretrain`` on every rank; return the error line, checked to be the same on every rank
+    that prints it (rank 0 does), each exiting with status 2 and no traceback."""
+    with pytest.raises(SystemExit) as exit_:
+        pretrain("gpt", argv)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    first = [lines[0] if dist.get_rank() == 0 and lines else None]
+    dist.broadcast_object_list(first, src=0)
+    assert exit_.value.code == 2
+    assert first[0] is not None and first[0].startswith("pretrain_gpt.py: error: ")
+    assert lines == first if dist.get_rank() == 0 else lines in ([], first), lines  # rank 1: silent, or the same
+    return first[0]

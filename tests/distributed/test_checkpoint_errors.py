@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron_slapo.training import checkpoint_integrity
 from megatron_slapo.training.checkpointing import FILENAME, iteration_dir
 from megatron_slapo.training.loop import pretrain
-from tests.distributed.runs import TINY, TP2
+from tests.distributed.runs import TINY, TP2, refused_on_every_rank
 
 RUN = [*TINY, "--train-iters", "1", "--eval-iters", "0", "--ckpt-format", "torch"]  # the legacy layout's own files
 
@@ -28,20 +28,6 @@ def saved(shared_tmp, cache) -> dict[str, str]:
     pretrain("gpt", [*RUN, "--schedule", "default", "--data-cache-path", cache, "--save", found["tp1"]])
     pretrain("gpt", [*RUN, *TP2, "--data-cache-path", cache, "--save", found["tp2"]])
     return found
-
-
-def refused_on_every_rank(argv: list[str], capsys: pytest.CaptureFixture) -> str:
-    """Run ``pretrain`` on every rank; return the error line, checked to be the same on every rank
-    that prints it (rank 0 does), each exiting with status 2 and no traceback."""
-    with pytest.raises(SystemExit) as exit_:
-        pretrain("gpt", argv)
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    first = [lines[0] if dist.get_rank() == 0 and lines else None]
-    dist.broadcast_object_list(first, src=0)
-    assert exit_.value.code == 2
-    assert first[0] is not None and first[0].startswith("pretrain_gpt.py: error: ")
-    assert lines == first if dist.get_rank() == 0 else lines in ([], first), lines  # rank 1: silent, or the same
-    return first[0]
 
 
 def test_a_tp1_checkpoint_at_tp2_is_one_line_on_every_rank(saved, cache, capsys):

@@ -19,6 +19,7 @@ from tests.distributed.runs import (
     last_rank_value,
     layout_case,
     reference_losses,
+    refused_on_every_rank,
     single_process_losses,
     train_losses,
 )
@@ -29,6 +30,7 @@ FAMILIES = {"qwen3_moe": ["--moe-ffn-hidden-size", "32"], "mixtral": []}
 EP2, TP2, PP2 = (["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"],
                  ["--pipeline-model-parallel-size", "2"])  # fmt: skip
 SP = ["--sequence-parallel"]
+MBS2 = ["--micro-batch-size", "2"]  # 4 data-parallel ranks share the global batch of 8
 TOPK, HIDDEN = 2, 64
 # (family, layout, world sizes, flags, slow): the default tier runs the plain EP2 case; the slow tier the others
 LAYOUTS = [
@@ -40,6 +42,9 @@ LAYOUTS = [
     ("qwen3_moe", "ep2-tp2-sp", (4,), [*EP2, *TP2, *SP], True),  # each expert split by features too (ETP = TP)
     ("qwen3_moe", "ep2-tp2-sp-etp1", (4,), [*EP2, *TP2, *SP, "--expert-tensor-parallel-size", "1"], True),
     ("qwen3_moe", "ep2-pp2", (4,), [*EP2, *PP2], True),
+    # 4 data-parallel ranks, 2 copies of each expert: their gradients reduced over the expert-data-parallel group
+    ("qwen3_moe", "ep2-dp4-distopt", (4,), [*EP2, *MBS2, "--use-distributed-optimizer"], True),
+    ("qwen3_moe", "ep2-dp4-ddp", (4,), [*EP2, *MBS2, "--engine", "ddp"], True),
     ("deepseek_v3", "ep2", (2,), EP2, True),  # MLA, grouped top-k, shared experts, a dense first layer
     ("dots1", "ep2", (2,), EP2, True),
     ("qwen3_moe-capacity", "ep2", (2,), EP2, True),  # tokens over capacity dropped, the same as on one device
@@ -88,6 +93,22 @@ def test_expert_parallel_trains_as_one_process(family, flags, reference, configs
         assert sorted(dropped) == list(range(1, 11)) and 0 < min(dropped.values()) <= max(dropped.values()) < 1
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--model-type", "qwen3_moe", "--num-experts", "3", "--moe-ffn-hidden-size", "32", *EP2],
+     "3 experts do not split over 2 expert-parallel ranks"),
+    (["--model-type", "llama", *EP2], "publishes no base_model_ep_plan naming its experts"),
+    (["--model-type", "qwen3_moe", "--num-experts", "4", "--moe-ffn-hidden-size", "32", *EP2, "--schedule", "default"],
+     "--schedule default placed no experts on the expert-parallel ranks"),
+    (["--model-type", "llama", "--schedule", "auto", "--moe-expert-capacity-factor", "1"],
+     "--moe-expert-capacity-factor: --schedule auto placed no experts to limit"),
+])  # fmt: skip
+def test_expert_parallelism_it_cannot_place_is_one_error_before_compute(argv, message, shared_tmp, cache, capsys):
+    tb = os.path.join(shared_tmp, "tb-ep-refused")
+    line = refused_on_every_rank([*PARITY, "--train-iters", "1", "--data-cache-path", cache, "--tensorboard-dir", tb,
+                                  *argv], capsys)  # fmt: skip
+    assert message in line, line
+
+
 def test_all_to_all_bytes_per_step_equal_the_analytic_count(shared_tmp, cache, monkeypatch):
     """Per MoE layer and micro-batch, each of the tokens x top-k routed rows (hidden x 4 bytes) crosses
     four times: to its expert's rank and back, forward and backward. A rank's share depends on the
@@ -114,18 +135,22 @@ def test_all_to_all_bytes_per_step_equal_the_analytic_count(shared_tmp, cache, m
 
 
 @pytest.mark.slow
-def test_an_expert_parallel_checkpoint_resumes_and_exports_the_experts_in_hfs_layout(reference, shared_tmp, cache,
-                                                                                      rank):  # fmt: skip
-    """An EP2 run saved at step 5 resumes, at EP2 and in one process (each rank saved its own experts,
-    under their global place), to the uninterrupted run's losses; tools/convert_checkpoint.py to-hf
-    writes every expert in HF's layout and transformers loads exactly the saved tensors."""
-    root = os.path.join(shared_tmp, "ep-ckpt")
+@pytest.mark.parametrize("flags", [pytest.param(EP2, id="ep2", marks=pytest.mark.world_sizes(2)),
+                                   pytest.param([*EP2, *TP2, *SP], id="ep2-tp2-sp", marks=pytest.mark.world_sizes(4))])  # fmt: skip
+def test_an_expert_parallel_checkpoint_resumes_and_exports_the_experts_in_hfs_layout(flags, reference, shared_tmp,
+                                                                                      cache, rank, request):  # fmt: skip
+    """An EP2 run (each expert whole, or also split by its features over TP2) saved at step 5
+    resumes, at its layout and in one process (each rank saved its own experts, under their global
+    place), to the uninterrupted run's losses; tools/convert_checkpoint.py to-hf writes every expert
+    in HF's layout and transformers loads exactly the saved tensors."""
+    case = request.node.callspec.id
+    root = os.path.join(shared_tmp, f"ckpt-{case}")
     argv = [*_trained("qwen3_moe"), "--data-cache-path", cache]
-    first = train_losses("gpt", [*argv, *EP2, "--save", root, "--save-interval", "5", "--exit-interval", "5"],
-                         os.path.join(shared_tmp, "tb-ep-save"))  # fmt: skip
-    resumed = train_losses("gpt", [*argv, *EP2, "--load", root], os.path.join(shared_tmp, "tb-ep-resume"))
-    alone = single_process_losses("gpt", [*argv, "--load", root], os.path.join(shared_tmp, "tb-ep-resume-alone"))
-    hf, saved = os.path.join(shared_tmp, "ep-hf"), os.path.join(shared_tmp, "ep-saved.pt")
+    first = train_losses("gpt", [*argv, *flags, "--save", root, "--save-interval", "5", "--exit-interval", "5"],
+                         os.path.join(shared_tmp, f"tb-save-{case}"))  # fmt: skip
+    resumed = train_losses("gpt", [*argv, *flags, "--load", root], os.path.join(shared_tmp, f"tb-resume-{case}"))
+    alone = single_process_losses("gpt", [*argv, "--load", root], os.path.join(shared_tmp, f"tb-alone-{case}"))
+    hf, saved = os.path.join(shared_tmp, f"hf-{case}"), os.path.join(shared_tmp, f"saved-{case}.pt")
     if rank == 0:
         convert(["to-hf", "--load", root, "--iteration", "5", "--save-hf", hf])
         dcp_to_torch_save(os.path.join(root, "iter_0000005"), saved)
