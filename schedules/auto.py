@@ -9,10 +9,8 @@ the families listed here that have no schedule of their own get this one.
 
 from typing import Any
 
-from megatron_slapo.parallel.state import expert_groups
-from megatron_slapo.plans.expert_capacity import ExpertCapacity
-from megatron_slapo.plans.expert_parallel import ExpertParallelExperts
-from megatron_slapo.plans.experts import TensorParallelExperts
+from megatron_slapo.plans.expert_capacity import limit_expert_capacity
+from megatron_slapo.plans.expert_parallel import expert_parallel_placement
 from megatron_slapo.plans.hf_plan import check_regions, plan_from_hf
 from megatron_slapo.plans.kernel_swap import swap_in_kernels
 from megatron_slapo.plans.sequence import plan_for
@@ -31,16 +29,8 @@ MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "st
 
 def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:
     config = config or sch.mod.config
-    sequence_parallel = getattr(args, "sequence_parallel", False)
-    experts = None
-    if getattr(args, "expert_model_parallel_size", 1) > 1:  # whole experts on ranks (plans/expert_parallel.py)
-        experts = ExpertParallelExperts(expert_groups(), args.moe_token_dispatcher_type, sequence_parallel)
-    plan = plan_from_hf(sch.mod, config, sequence_parallel, experts)
-    if getattr(args, "moe_expert_capacity_factor", None) is not None:  # Megatron's token dropping
-        capacity = ExpertCapacity(args.moe_expert_capacity_factor, args.moe_token_drop_policy)
-        plan = {k: (v, capacity) if isinstance(v, (ExpertParallelExperts, TensorParallelExperts)) else v
-                for k, v in plan.items()}  # fmt: skip
-    plan = plan_for(plan, args)
+    plan = plan_from_hf(sch.mod, config, getattr(args, "sequence_parallel", False), expert_parallel_placement(args))
+    plan = plan_for(limit_expert_capacity(plan, args), args)
     apply_plan(sch, plan)
     check_regions(sch, plan)
     swap_in_kernels(sch)

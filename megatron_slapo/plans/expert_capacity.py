@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,8 @@ from torch import nn
 from megatron_slapo.compat.torch_nn import forward_pre_hooks
 from megatron_slapo.module_surgery import base_forward
 from megatron_slapo.parallel.collectives import comm_device
-from megatron_slapo.plans.expert_parallel import ExpertParallelForward
-from megatron_slapo.plans.experts import experts_arguments
+from megatron_slapo.plans.expert_parallel import ExpertParallelExperts, ExpertParallelForward
+from megatron_slapo.plans.experts import TensorParallelExperts, experts_arguments
 
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
@@ -111,3 +111,14 @@ class ExpertCapacity:
 def drops_tokens(model: nn.Module) -> bool:
     """Whether some experts module of ``model`` drops the pairs over its capacity."""
     return any(isinstance(h, DropOverCapacity) for m in model.modules() for h in forward_pre_hooks(m).values())
+
+
+def limit_expert_capacity(plan: dict[str, Any], args: Any) -> dict[str, Any]:
+    """``plan`` with :class:`ExpertCapacity` after each experts placement when
+    ``--moe-expert-capacity-factor`` is given (``plan`` itself otherwise)."""
+    factor = getattr(args, "moe_expert_capacity_factor", None)
+    if factor is None:
+        return plan
+    capacity = ExpertCapacity(factor, args.moe_token_drop_policy)
+    experts = (ExpertParallelExperts, TensorParallelExperts)
+    return {path: (p, capacity) if isinstance(p, experts) else p for path, p in plan.items()}

@@ -28,7 +28,7 @@ The experts' weights are tagged for the engines: ``expert_parallel`` (ours) and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -38,10 +38,10 @@ from megatron_slapo.metadata import ExpertShard
 from megatron_slapo.module_surgery import set_base_forward
 from megatron_slapo.parallel import collectives as C
 from megatron_slapo.parallel.layout import shard_slice, sharded_shape
+from megatron_slapo.parallel.state import ExpertGroups, expert_groups
 from megatron_slapo.plans.experts import ExpertsInput, experts_layout
 
 if TYPE_CHECKING:
-    from megatron_slapo.parallel.state import ExpertGroups
     from megatron_slapo.schedule import Schedule
 
 Dispatcher = Literal["alltoall", "allgather"]
@@ -187,3 +187,11 @@ class ExpertParallelExperts:
         sch.shard("down_proj", axis=down_axis)
         sch.hook("fwd_pre", ExpertsInput(sch.group, self.sequence_parallel), with_kwargs=True)
         sch.sync("fwd_post", "reduce_scatter" if self.sequence_parallel else "all_reduce", axis=0)
+
+
+def expert_parallel_placement(args: Any) -> ExpertParallelExperts | None:
+    """The placement ``--expert-model-parallel-size`` (> 1) asks for, over the groups
+    :func:`~megatron_slapo.parallel.state.initialize` laid out; None without expert parallelism."""
+    if getattr(args, "expert_model_parallel_size", 1) == 1:
+        return None
+    return ExpertParallelExperts(expert_groups(), args.moe_token_dispatcher_type, args.sequence_parallel)

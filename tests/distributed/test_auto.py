@@ -194,7 +194,8 @@ def configs(shared_tmp):
 @pytest.fixture(scope="module")
 def reference(shared_tmp, cache, configs):
     """One process's losses per family: those this world size trains, run in one process."""
-    here = [family for _, sizes, _, families in LAYOUTS if dist.get_world_size() in sizes for family in families]
+    here = [family for _, sizes, _, families in LAYOUTS if dist.get_world_size() in sizes for family in families
+            if family not in CONFIGURED]  # the slow tier's: each run alone when asked for  # fmt: skip
 
     def run(family: str) -> tuple[str, list[str]]:
         return "gpt", [*_trained(family, configs), "--data-cache-path", cache]
@@ -212,7 +213,14 @@ def _trained(case: str, configs: str) -> list[str]:
     return [*PARITY, *fast, "--model-type", family, "--schedule", "auto", *groups, *experts]
 
 
-@pytest.mark.parametrize("family, flags", [layout_case(f, name, sizes, flags)
+def _case(family: str, name: str, sizes: tuple, flags: list[str]) -> pytest.param:
+    """A parity case; the CONFIGURED families' in the slow tier (Verify checks them in the default one)."""
+    case = layout_case(family, name, sizes, flags)
+    slow = [pytest.mark.slow] if family in CONFIGURED else []
+    return pytest.param(*case.values, id=case.id, marks=[*case.marks, *slow])
+
+
+@pytest.mark.parametrize("family, flags", [_case(f, name, sizes, flags)
                                            for name, sizes, flags, families in LAYOUTS for f in families])  # fmt: skip
 def test_auto_trains_as_one_process(family, flags, reference, configs, shared_tmp, cache, request):
     """pretrain_gpt.py --model-type FAMILY (or --hf-config, CONFIGURED) --schedule auto: 10 fp32 steps

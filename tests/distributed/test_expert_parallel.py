@@ -26,29 +26,30 @@ from tests.distributed.runs import (
 from tests.utils import tb_scalars
 from tools.convert_checkpoint import main as convert
 
-FAMILIES = {"qwen3_moe": ["--moe-ffn-hidden-size", "32"], "mixtral": []}
+FAMILIES = {"qwen3_moe": ["--moe-ffn-hidden-size", "32"], "mixtral": [], "qwen2_moe": [], "ernie4_5_moe": [],
+            "glm4_moe": [], "minimax": []}  # fmt: skip
 EP2, TP2, PP2 = (["--expert-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2"],
                  ["--pipeline-model-parallel-size", "2"])  # fmt: skip
 SP = ["--sequence-parallel"]
 MBS2 = ["--micro-batch-size", "2"]  # 4 data-parallel ranks share the global batch of 8
 TOPK, HIDDEN = 2, 64
-# (family, layout, world sizes, flags, slow): the default tier runs the plain EP2 case; the slow tier the others
+# (family, layout, world sizes, flags), in the slow tier (the default one trains EP2 in the bytes test)
 LAYOUTS = [
-    ("qwen3_moe", "ep2", (2,), EP2, False),
+    ("qwen3_moe", "ep2", (2,), EP2),
     ("qwen3_moe", "ep2-allgather-distopt", (2,), [*EP2, "--moe-token-dispatcher-type", "allgather",
-                                                   "--use-distributed-optimizer"], True),
-    ("qwen3_moe", "ep2-ddp", (2,), [*EP2, "--engine", "ddp"], True),
-    ("mixtral", "ep2", (2,), EP2, True),
-    ("qwen3_moe", "ep2-tp2-sp", (4,), [*EP2, *TP2, *SP], True),  # each expert split by features too (ETP = TP)
-    ("qwen3_moe", "ep2-tp2-sp-etp1", (4,), [*EP2, *TP2, *SP, "--expert-tensor-parallel-size", "1"], True),
-    ("qwen3_moe", "ep2-pp2", (4,), [*EP2, *PP2], True),
+                                                   "--use-distributed-optimizer"]),
+    ("qwen3_moe", "ep2-ddp", (2,), [*EP2, "--engine", "ddp"]),
+    *((family, "ep2", (2,), EP2) for family in ("mixtral", "qwen2_moe", "ernie4_5_moe", "glm4_moe", "minimax")),
+    ("qwen3_moe", "ep2-tp2-sp", (4,), [*EP2, *TP2, *SP]),  # each expert split by features too (ETP = TP)
+    ("qwen3_moe", "ep2-tp2-sp-etp1", (4,), [*EP2, *TP2, *SP, "--expert-tensor-parallel-size", "1"]),
+    ("qwen3_moe", "ep2-pp2", (4,), [*EP2, *PP2]),
     # 4 data-parallel ranks, 2 copies of each expert: their gradients reduced over the expert-data-parallel group
-    ("qwen3_moe", "ep2-dp4-distopt", (4,), [*EP2, *MBS2, "--use-distributed-optimizer"], True),
-    ("qwen3_moe", "ep2-dp4-ddp", (4,), [*EP2, *MBS2, "--engine", "ddp"], True),
-    ("deepseek_v3", "ep2", (2,), EP2, True),  # MLA, grouped top-k, shared experts, a dense first layer
-    ("dots1", "ep2", (2,), EP2, True),
-    ("qwen3_moe-capacity", "ep2", (2,), EP2, True),  # tokens over capacity dropped, the same as on one device
-    ("qwen3_moe-aux", "ep2", (2,), EP2, True),  # with the model's load-balancing loss
+    ("qwen3_moe", "ep2-dp4-distopt", (4,), [*EP2, *MBS2, "--use-distributed-optimizer"]),
+    ("qwen3_moe", "ep2-dp4-ddp", (4,), [*EP2, *MBS2, "--engine", "ddp"]),
+    ("deepseek_v3", "ep2", (2,), EP2),  # MLA, grouped top-k, shared experts, a dense first layer
+    ("dots1", "ep2", (2,), EP2),
+    ("qwen3_moe-capacity", "ep2", (2,), EP2),  # tokens over capacity dropped, the same as on one device
+    ("qwen3_moe-aux", "ep2", (2,), EP2),  # with the model's load-balancing loss
 ]  # fmt: skip
 VARIANTS = {"capacity": ["--moe-expert-capacity-factor", "1.0"], "aux": ["--moe-aux-loss-coeff", "0.1"]}
 CONFIGURED = ("deepseek_v3", "dots1")  # built from families.py's tiny configs (--hf-config)
@@ -70,7 +71,7 @@ def configs(shared_tmp):
 
 @pytest.fixture(scope="module")
 def reference(shared_tmp, cache, configs):
-    here = [family for family, _, sizes, _, _ in LAYOUTS if dist.get_world_size() in sizes]
+    here = [family for family, _, sizes, _ in LAYOUTS if dist.get_world_size() in sizes]
 
     def run(family: str) -> tuple[str, list[str]]:
         return "gpt", [*_trained(family, configs), "--data-cache-path", cache]
@@ -78,12 +79,8 @@ def reference(shared_tmp, cache, configs):
     return reference_losses(shared_tmp, run, here)
 
 
-def _case(family: str, layout: str, sizes: tuple, flags: list, slow: bool) -> pytest.param:
-    case = layout_case(family, layout, sizes, flags)
-    return pytest.param(*case.values, id=case.id, marks=[*case.marks, *([pytest.mark.slow] if slow else [])])
-
-
-@pytest.mark.parametrize("family, flags", [_case(*layout) for layout in LAYOUTS])
+@pytest.mark.slow
+@pytest.mark.parametrize("family, flags", [layout_case(*layout) for layout in LAYOUTS])
 def test_expert_parallel_trains_as_one_process(family, flags, reference, configs, shared_tmp, cache, request):
     tb = os.path.join(shared_tmp, f"tb-ep-{request.node.callspec.id}")
     losses = train_losses("gpt", [*_trained(family, configs), *flags, "--data-cache-path", cache], tb)

@@ -41,8 +41,10 @@ CASES = {
     "zero2-bf16": ["--engine", "deepspeed", "--zero-stage", "2", "--bf16", "--micro-batch-size", "2"],
     "dp2-distributed-optimizer-bf16": ["--use-distributed-optimizer", "--bf16", "--micro-batch-size", "2"],
     "fsdp": ["--engine", "fsdp", "--micro-batch-size", "2"],
-    "ep2-qwen3_moe": [*MOE, "--expert-model-parallel-size", "2"],  # whole experts on each rank, tokens to them
 }
+SLOW_CASES = {
+    "ep2-qwen3_moe": [*MOE, "--expert-model-parallel-size", "2"]
+}  # whole experts on each rank, tokens to them
 TOLERANCE = 0.10
 
 
@@ -62,11 +64,11 @@ def _is_close(estimated: float, measured: float) -> bool:
     return abs(estimated - measured) <= TOLERANCE * measured
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, *(pytest.param(c, marks=pytest.mark.slow) for c in SLOW_CASES)])
 def test_explain_is_within_ten_percent_of_a_real_step(case, shared_tmp, cache):
     argv = [*TINY, "--schedule", "gpt_tp", "--train-iters", "2", "--eval-iters", "0", "--log-comm",
             "--data-cache-path", cache, "--tensorboard-dir", os.path.join(shared_tmp, f"tb-explain-{case}"),
-            *CASES[case]]  # fmt: skip
+            *{**CASES, **SLOW_CASES}[case]]  # fmt: skip
     plan = first_rank_value(lambda: _explain(argv, os.path.join(shared_tmp, f"explain-{case}.json")))
     measured = measure("gpt", argv)
     estimated = {tuple(r["coordinates"])[1]: r for r in plan["ranks"]}[measured["coordinates"][1]]

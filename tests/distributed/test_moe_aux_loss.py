@@ -60,6 +60,7 @@ def one_process(shared_tmp, cache) -> dict[str, dict[str, dict[int, float]]]:
             "off": first_rank_value(lambda: {"lm loss": tb_scalars(tb["off"], "lm loss")})}  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [TP2, [*TP2, "--sequence-parallel"]], ids=["tp2", "tp2-sp"])
 def test_moe_aux_loss_trains_as_one_process(flags, one_process, shared_tmp, cache, request):
     """The loss backpropagated includes coefficient x the load-balancing loss, computed over the
