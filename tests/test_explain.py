@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "8", "--num-workers", "0", "--schedule", "gpt_tp"]  # fmt: skip
@@ -66,6 +68,7 @@ MOE = ["--model-type", "qwen3_moe", "--schedule", "auto", "--num-query-groups", 
        "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]  # fmt: skip
 
 
+@pytest.mark.slow  # tests/distributed/test_explain.py checks it against a real EP2 step, slow too
 def test_explain_plans_expert_parallelism(tmp_path):
     """--expert-model-parallel-size 2 on 4 ranks: each rank holds half the routed experts (their
     gradients reduced over the 2 ranks holding the same ones), and moves each micro-batch's tokens x

@@ -86,8 +86,18 @@ COMPILED = {
     "zero2-dp2-compile": ((2,), [*ZERO, "2", "--compile"]),
     "zero3-dp2-compile": ((2,), [*ZERO, "3", "--compile"]),
 }
-CASES = [*(layout_case(task, name, sizes, flags) for name, (sizes, flags) in LAYOUTS.items() for task in SCHEDULES),
-         *(layout_case("gpt", name, sizes, flags) for name, (sizes, flags) in COMPILED.items())]  # fmt: skip
+# The slowest compiled cases run in the slow tier (the README's suite stays within 20 minutes): BERT's
+# (GPT's compile the same code) and FSDP2's at four ranks
+SLOW = {("bert", "tp2-compile-recompute-full"), ("bert", "tp2-sp-compile-ddp"), ("gpt", "fsdp-tp2-dp2-compile")}
+
+
+def _case(task: str, name: str, sizes: tuple, flags: list[str]) -> pytest.param:
+    case = layout_case(task, name, sizes, flags)
+    return pytest.param(*case.values, id=case.id, marks=[*case.marks, *([pytest.mark.slow] * ((task, name) in SLOW))])
+
+
+CASES = [*(_case(task, name, sizes, flags) for name, (sizes, flags) in LAYOUTS.items() for task in SCHEDULES),
+         *(_case("gpt", name, sizes, flags) for name, (sizes, flags) in COMPILED.items())]  # fmt: skip
 
 
 @pytest.mark.parametrize("task, flags", CASES)

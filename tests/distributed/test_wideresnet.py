@@ -195,6 +195,7 @@ def test_tp2_trains_as_one_process(reference, shared_tmp, flags, request):
         assert abs(losses[step] - expected[step]) <= bound, (step, losses, expected, other_kernels)
 
 
+@pytest.mark.slow  # 50 steps: the README's suite keeps test_tp2_trains_as_one_process
 def test_pretrain_vision_learns(shared_tmp):
     """The default run, shortened: top-1 accuracy at least five times chance (10 classes), and the
     loss down by a quarter. Throughput counts samples, and only the loss has a perplexity."""
