@@ -39,7 +39,7 @@ from megatron_slapo.module_surgery import set_base_forward
 from megatron_slapo.parallel import collectives as C
 from megatron_slapo.parallel.layout import shard_slice, sharded_shape
 from megatron_slapo.parallel.state import ExpertGroups, expert_groups
-from megatron_slapo.plans.experts import ExpertsInput, experts_layout
+from megatron_slapo.plans.experts import TensorParallelExperts, experts_layout
 
 if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
@@ -170,7 +170,7 @@ class ExpertParallelExperts:
 
     def apply(self, sch: Schedule) -> None:
         try:
-            gate_up_axis, down_axis, stride = experts_layout(sch.mod)
+            experts_layout(sch.mod)  # a layout the split knows, before any of it is changed
         except ValueError as e:
             raise sch._error(f"{type(sch.mod).__name__}: {e}") from None
         if self.groups is None:
@@ -181,12 +181,8 @@ class ExpertParallelExperts:
             shard_experts(sch, name, rank, size)
         sch.mod.num_experts = experts // size  # HF's forward counts the experts it holds
         set_base_forward(sch.mod, ExpertParallelForward(self.groups.model, experts // size, self.dispatcher))
-        if C.group_size(self.groups.tensor) == 1:
-            return
-        sch.shard("gate_up_proj", axis=gate_up_axis, stride=stride)
-        sch.shard("down_proj", axis=down_axis)
-        sch.hook("fwd_pre", ExpertsInput(sch.group, self.sequence_parallel), with_kwargs=True)
-        sch.sync("fwd_post", "reduce_scatter" if self.sequence_parallel else "all_reduce", axis=0)
+        if C.group_size(self.groups.tensor) > 1:  # each expert also split by its features, around the exchange
+            TensorParallelExperts(self.sequence_parallel).apply(sch)
 
 
 def expert_parallel_placement(args: Any) -> ExpertParallelExperts | None:
