@@ -53,6 +53,7 @@ class Metadata:
     annotations: dict[str, dict[str, Any]] = field(default_factory=dict)
     checkpointed: bool = False
     core_checkpointed: bool = False  # attention_core(checkpoint=True): only the attention core is recomputed
+    context_parallel: int = 1  # attention_core(context_parallel=...): the ranks its ring spans
     compiled: str | None = None  # the torch.compile backend, applied by build
     forked_rng: bool = False
     traced: bool = False

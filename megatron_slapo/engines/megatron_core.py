@@ -96,6 +96,7 @@ class MegatronEngine:
 
         self.args, self.dp_group, self.tp_group = args, dp_group, tp_group
         self.pp_rank, self.pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+        self.cp_size = ps.get_context_parallel_world_size()
         self._metric_names: dict[bool, list[str]] = {}  # the last stage's, told the others once (train, eval)
         if isinstance(model, PipelineStages):
             check_plan(model)
@@ -149,6 +150,7 @@ class MegatronEngine:
             batch_p2p_comm=not (vpp and self.pp_size == 2), batch_p2p_sync=torch.cuda.is_available(),
             use_cpu_initialization=True, gradient_accumulation_fusion=False, deallocate_pipeline_outputs=False,
             sequence_parallel=a.sequence_parallel,  # the p2p buffers then hold this rank's part of the sequence
+            context_parallel_size=self.cp_size,
         )  # fmt: skip
 
     def _mark_tied(self, model: nn.Module) -> None:
@@ -203,13 +205,15 @@ class MegatronEngine:
     def _forward_step(self, task: Task, data_iterator: Any, chunk: nn.Module) -> tuple[Any, Any]:
         """megatron-core's ``forward_step_func``: the chunk's output and the loss to call on it."""
         batch = to_device(next(data_iterator), self.device)
-        return chunk(**task.inputs(batch)), functools.partial(self._loss, task, batch)
+        return chunk(**task.inputs(batch)), functools.partial(self._loss, task, batch, self.cp_size)
 
     @staticmethod
-    def _loss(task: Task, batch: Batch, out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The task's loss, with metrics copied (the schedule scales the loss in place)."""
+    def _loss(task: Task, batch: Batch, cp_size: int, out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The task's loss, with metrics copied (the schedule scales the loss in place). Under context
+        parallelism the schedule multiplies the loss by the context-parallel size, as Megatron's loss
+        functions return each rank's mean over its own tokens; the task's already carries that factor."""
         loss, metrics = task.criterion(out, batch)
-        return loss, {k: v.detach().float().clone() for k, v in metrics.items()}  # the schedule scales loss in place
+        return loss / cp_size, {k: v.detach().float().clone() for k, v in metrics.items()}
 
     def _run(self, microbatches: list[Batch], task: Task, forward_only: bool) -> dict[str, torch.Tensor]:
         """All micro-batches through megatron-core's pipeline schedule (1F1B, interleaved, or none with
@@ -218,8 +222,9 @@ class MegatronEngine:
 
         iterators = [iter(microbatches) for _ in self.ddp]
         inputs = task.inputs(microbatches[0])
-        # the pipeline's p2p shape; image models run in one stage (pretrain_vision.py refuses more)
-        seq_length = inputs["input_ids"].size(1) if "input_ids" in inputs else 1
+        # the pipeline's p2p shape; image models run in one stage (pretrain_vision.py refuses more). The
+        # schedule divides the whole sequence by the context-parallel size itself: it is given that.
+        seq_length = inputs["input_ids"].size(1) * self.cp_size if "input_ids" in inputs else 1
         with cpu_compat.device_mode():
             schedule = get_forward_backward_func(self.pp_size, self.config.virtual_pipeline_model_parallel_size)
             stored = schedule(

@@ -50,7 +50,8 @@ _SHOWN = {"all_to_all_single": "all_to_all"}  # the name a count is shown under,
 
 
 def group_names() -> dict[Any, str]:
-    """Process groups by their megatron-core role: ``tp``, ``pp``, ``dp``, ``embd``, ``mp``, ``dp-cp``."""
+    """Process groups by their megatron-core role: ``tp``, ``pp``, ``dp``, ``embd``, ``mp``, ``dp-cp``,
+    ``ep``, ``etp``, ``edp``, ``cp``."""
     from megatron.core import parallel_state as ps
 
     names: dict[Any, str] = {}
@@ -62,6 +63,7 @@ def group_names() -> dict[Any, str]:
         # an MoE model's routed experts: where tokens move, and the copies their gradients are reduced over
         "ep": ps.get_expert_model_parallel_group, "etp": ps.get_expert_tensor_parallel_group,
         "edp": ps.get_expert_data_parallel_group,
+        "cp": ps.get_context_parallel_group,  # the ranks splitting a sequence: the attention's keys and values
     }  # fmt: skip
     for name, get in getters.items():
         try:

@@ -85,10 +85,13 @@ def initialize(
     gloo_side_groups: bool = True,
     expert_parallel: int = 1,
     expert_tensor_parallel: int | None = None,
+    context_parallel: int = 1,
 ) -> None:
     """Start distributed training with ``tensor_parallel`` x ``pipeline_parallel`` model parallelism.
 
-    The remaining factor of the world size is data parallelism. ``expert_parallel`` (Megatron's
+    The remaining factor of the world size is data parallelism, of which ``context_parallel``
+    (Megatron's ``--context-parallel-size``) ranks at a time split each sequence between them
+    (megatron-core's order: tensor, context, data, pipeline; ``parallel/context.py``). ``expert_parallel`` (Megatron's
     ``--expert-model-parallel-size``) carves groups of that many ranks out of the data-parallel ones
     for an MoE model's routed experts, each expert split by its features over
     ``expert_tensor_parallel`` ranks (default: the TP size, as in Megatron); megatron-core lays them
@@ -119,16 +122,17 @@ def initialize(
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     world = dist.get_world_size()
-    if world % (tensor_parallel * pipeline_parallel):
+    if world % (tensor_parallel * pipeline_parallel * context_parallel):
         raise ValueError(
             f"world size {world} is not divisible by tensor_parallel ({tensor_parallel}) x "
-            f"pipeline_parallel ({pipeline_parallel})"
+            f"pipeline_parallel ({pipeline_parallel}) x context_parallel ({context_parallel})"
         )
     if ps.model_parallel_is_initialized():
         _destroy_model_parallel()
     ps.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        context_parallel_size=context_parallel,
         distributed_timeout_minutes=timeout_minutes,
         create_gloo_process_groups=gloo_side_groups,
         expert_model_parallel_size=expert_parallel,
@@ -138,7 +142,8 @@ def initialize(
 
 
 def simulate(world_size: int, rank: int, tensor_parallel: int = 1, pipeline_parallel: int = 1, *,
-             seed: int = 1234, expert_parallel: int = 1, expert_tensor_parallel: int | None = None) -> None:  # fmt: skip
+             seed: int = 1234, expert_parallel: int = 1, expert_tensor_parallel: int | None = None,
+             context_parallel: int = 1) -> None:  # fmt: skip
     """Lay out rank ``rank`` of ``world_size`` in this one process, as :func:`initialize` would, over
     torch's fake process group: every group exists with its true size and this rank's place in it,
     and every collective returns at once, moving nothing. For planning a run (``tools/explain.py``)
@@ -150,7 +155,8 @@ def simulate(world_size: int, rank: int, tensor_parallel: int = 1, pipeline_para
     destroy()
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     initialize(tensor_parallel, pipeline_parallel, seed=seed, gloo_side_groups=False,
-               expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel)  # fmt: skip
+               expert_parallel=expert_parallel, expert_tensor_parallel=expert_tensor_parallel,
+               context_parallel=context_parallel)  # fmt: skip
 
 
 def destroy() -> None:
@@ -208,7 +214,13 @@ def default_group() -> dist.ProcessGroup | None:
 
 @dataclass
 class Layout:
-    """Where this rank sits: its TP/PP/DP coordinates decide its file and whether it writes."""
+    """Where this rank sits: its TP/PP/DP coordinates decide its file and whether it writes.
+
+    ``dp_rank``/``dp_group``: among the ranks holding copies of the same weights, whose gradients
+    are averaged: the data-parallel ranks, times the context-parallel ones when the sequence is
+    split (``cp_size`` > 1; megatron-core's ``with_context_parallel``). ``data_rank``: which
+    micro-batches this rank reads (context-parallel ranks read the same, each its part of them).
+    """
 
     tp_rank: int
     tp_size: int
@@ -216,16 +228,23 @@ class Layout:
     pp_size: int
     dp_rank: int
     dp_group: dist.ProcessGroup | None
+    cp_rank: int = 0
+    cp_size: int = 1
+    data_rank: int = 0
 
     @classmethod
     def current(cls) -> Layout:
         """This process's coordinates, from megatron-core's parallel_state."""
         from megatron.core import parallel_state as ps
 
+        split = ps.get_context_parallel_world_size() > 1
         return cls(
             tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=ps.get_tensor_model_parallel_world_size(),
             pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=ps.get_pipeline_model_parallel_world_size(),
-            dp_rank=ps.get_data_parallel_rank(), dp_group=ps.get_data_parallel_group(),
+            dp_rank=ps.get_data_parallel_rank(with_context_parallel=split),
+            dp_group=ps.get_data_parallel_group(with_context_parallel=split),
+            cp_rank=ps.get_context_parallel_rank(), cp_size=ps.get_context_parallel_world_size(),
+            data_rank=ps.get_data_parallel_rank(),
         )  # fmt: skip
 
     def rank_dir(self) -> str:

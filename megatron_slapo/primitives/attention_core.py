@@ -36,12 +36,14 @@ from megatron_slapo.compat.transformers_internals import (
     set_attn_implementation,
     set_attn_method,
 )
+from megatron_slapo.kernels.context_attention import interface_attention, method_attention
 from megatron_slapo.primitives.checkpoint import checkpointed
 from megatron_slapo.primitives.registry import primitive
 from megatron_slapo.primitives.rng import on_model_parallel_rng
 
 if TYPE_CHECKING:
     from megatron_slapo.node import ScheduleNode
+    from megatron_slapo.parallel.context import ContextParallel
 
 PREFIX = "slapo_core:"  # registered attention implementations: PREFIX + the one wrapped
 
@@ -66,8 +68,10 @@ class AttentionCore:
 
     fork_rng: bool = False
     checkpoint: bool = False
+    context: Callable[..., Any] | None = None  # context parallelism: the ring in the core's place
 
     def __call__(self, inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        inner = self.context or inner
         # HF's attention functions take their dropout probability: at 0 (evaluation, or a model
         # without attention dropout, as Llama) nothing random runs, so the fork would change
         # nothing, and under torch.compile it would split the layer's graph in four
@@ -99,10 +103,13 @@ def _core_attn(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 class AttentionCoreMixin:
     @primitive
-    def attention_core(self: ScheduleNode, *, fork_rng: bool = False, checkpoint: bool = False) -> None:
+    def attention_core(self: ScheduleNode, *, fork_rng: bool = False, checkpoint: bool = False,
+                       context_parallel: ContextParallel | None = None) -> None:  # fmt: skip
         """Run this HF attention module's core (``softmax(q kᵀ) v`` and its dropout) on the
-        model-parallel RNG stream (``fork_rng``) and/or recomputed in the backward (``checkpoint``).
-        May be applied again to add the other one."""
+        model-parallel RNG stream (``fork_rng``) and/or recomputed in the backward (``checkpoint``),
+        and/or as the ring over ``context_parallel``'s ranks, each holding its part of the sequence
+        (``kernels/ring_attention.py``; causal self-attention only). May be applied again to add
+        another."""
         mod = self.mod
         kind = core_kind(mod)
         if kind is None:
@@ -120,9 +127,19 @@ class AttentionCoreMixin:
             else:
                 set_attn_method(mod, _core_attn)
             mod.slapo_attention_core = core
+        if context_parallel is not None:
+            if core.context is not None:
+                raise self._error("attention_core(context_parallel=...) is already applied to this module")
+            if not getattr(mod, "is_causal", True):
+                raise self._error(f"{type(mod).__name__} is not causal: context parallelism splits decoders' "
+                                  "self-attention only")  # fmt: skip
+            core.context = (functools.partial(interface_attention, context_parallel) if kind == "interface"
+                            else functools.partial(method_attention, context_parallel, mod))  # fmt: skip
         for flag, wanted in (("fork_rng", fork_rng), ("checkpoint", checkpoint)):
             if wanted and getattr(core, flag):
                 raise self._error(f"attention_core({flag}=True) is already applied to this module")
             setattr(core, flag, getattr(core, flag) or wanted)
         self.metadata.forked_rng |= fork_rng
+        if context_parallel is not None:
+            self.metadata.context_parallel = context_parallel.size
         self.metadata.core_checkpointed |= checkpoint

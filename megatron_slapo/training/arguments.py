@@ -139,6 +139,12 @@ def _parallel(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-token-dispatcher-type", choices=("alltoall", "allgather"), default="alltoall",
                    help="how tokens reach the expert-parallel ranks: all-to-all of the routed tokens, or every "
                         "rank gathering all tokens")  # fmt: skip
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="ranks each sequence is split across through every layer (causal decoders), carved out of "
+                        "the data-parallel ranks; attention brings the other ranks' keys and values")  # fmt: skip
+    g.add_argument("--cp-comm-type", choices=("p2p", "allgather"), default="p2p",
+                   help="how attention gets the other context-parallel ranks' keys and values: passed round a ring, "
+                        "overlapped with compute, or all gathered at once")  # fmt: skip
     g.add_argument(
         "--sequence-parallel",
         action="store_true",

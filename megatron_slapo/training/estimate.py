@@ -172,7 +172,7 @@ def _meta_pass(plan: Plan, model: torch.nn.Module, batch: dict) -> tuple[_Meter,
 def _meta_batch(plan: Plan) -> dict:
     """The first micro-batch of this rank's data, on the meta device (only its shapes matter)."""
     args, layout = plan.args, plan.layout
-    loader = data_loader(plan.datasets[0], 0, args.micro_batch_size, layout.dp_rank, args.data_parallel_size, 0)
+    loader = data_loader(plan.datasets[0], 0, args.micro_batch_size, layout.data_rank, args.data_parallel_size, 0)
     return {k: v.to("meta") if torch.is_tensor(v) else v for k, v in next(iter(loader)).items()}
 
 

@@ -31,11 +31,12 @@ from megatron_slapo.engines.base import Engine, ModelShape
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels.compiled import compiler_problem
 from megatron_slapo.models.layers import shared_layers, transformer_layers
+from megatron_slapo.parallel import context
 from megatron_slapo.parallel.agreement import agreed_errors
 from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.parallel.state import Layout
 from megatron_slapo.pipeline import PipelineStages
-from megatron_slapo.plans import sequence
+from megatron_slapo.plans import context_parallel, sequence
 from megatron_slapo.plans.expert_capacity import DROPPED, drops_tokens
 from megatron_slapo.training import checkpointing, dist_checkpoint, error_report, recompute
 from megatron_slapo.training.arguments import parse_args
@@ -155,7 +156,9 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     print_arguments(argparse.Namespace(**settings.arguments(args)))
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     experts = dict(
-        expert_parallel=args.expert_model_parallel_size, expert_tensor_parallel=args.expert_tensor_parallel_size
+        expert_parallel=args.expert_model_parallel_size,
+        expert_tensor_parallel=args.expert_tensor_parallel_size,
+        context_parallel=args.context_parallel_size,
     )
     if simulate_rank is None:
         parallel.initialize(tp, pp, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes, **experts)
@@ -186,11 +189,19 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
         checkpoint = checkpointing.read_checked(args, layout, resume_path, config.num_hidden_layers)
     datasets = task.build_datasets(args, data, _split_sizes(args))
     model = create_model(args, settings.task, config)
+    cp = context.current(args.cp_comm_type)  # None without --context-parallel-size
     if isinstance(task, GPTTask):
         task.attention = attn_implementation(model.config)  # the form of the 4D mask it takes
         task.load_balancing = load_balancing_loss(model, args, tp_group)  # an MoE model's auxiliary loss, when on
+        task.context = cp
+        if cp and task.load_balancing:
+            raise ConfigError(f"--context-parallel-size {cp.size}: {config.model_type}'s config turns its auxiliary "
+                              "load-balancing loss on, whose statistics span the whole sequence: not supported with "
+                              "context parallelism")  # fmt: skip
     metadata_vocab, model_class = vocab_parameter_names(model), type(model).__name__
     sch = ms.create_schedule(model)
+    if cp:  # first: a pipeline's trace runs the layers and records how the model builds its masks
+        context_parallel.split_attention(sch, cp)
     stages = pipeline_stages(args, config.num_hidden_layers)
     recomputing = args.recompute_granularity is not None or args.checkpoint_ratio is not None
     needs_layers = stages > 1 or recomputing or args.sequence_parallel or args.compile
@@ -365,7 +376,7 @@ def train(run: Run) -> Resume:
         dist.get_rank(), None, args.global_batch_size, args.micro_batch_size, args.data_parallel_size
     )
     n_micro = get_num_microbatches()
-    dp_rank, dp_size = layout.dp_rank, args.data_parallel_size
+    dp_rank, dp_size = layout.data_rank, args.data_parallel_size
     train_set, valid_set, test_set = run.datasets
     loader = data_loader(
         train_set, state.consumed_train_samples, args.micro_batch_size, dp_rank, dp_size, args.num_workers
@@ -405,7 +416,7 @@ def _evaluate_at_end(run: Run, valid_batches: Iterator | None, test_set: Any, n_
     if test_set is None:
         print_rank_0(f" > no test evaluation: --split {args.split} leaves the test split no documents")
         return
-    test_loader = data_loader(test_set, 0, args.micro_batch_size, run.layout.dp_rank, args.data_parallel_size, 0)
+    test_loader = data_loader(test_set, 0, args.micro_batch_size, run.layout.data_rank, args.data_parallel_size, 0)
     metrics = evaluate(run, _batches(test_loader), args.eval_iters, n_micro)
     run.reporter.validation(state.iteration, state.consumed_train_samples, metrics, at_end=True, split="test")
 

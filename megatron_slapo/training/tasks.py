@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -27,6 +28,7 @@ from megatron_slapo.data.images import SPLITS, PatternImages
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels.vocab import vocab_parallel_cross_entropy
 from megatron_slapo.parallel.collectives import Group
+from megatron_slapo.parallel.context import ContextParallel
 from megatron_slapo.training.model import Vocabulary
 from megatron_slapo.training.moe_loss import LoadBalancingLoss
 
@@ -91,6 +93,23 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
+def context_parallel_mean(values: torch.Tensor, mask: torch.Tensor,
+                          cp: ContextParallel) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The masked mean over a sequence split between context-parallel ranks, each holding
+    ``values`` of its tokens: what to differentiate here, and the mean (the same on every rank).
+
+    The sums and token counts are added across the ranks (one all-reduce, no gradient). Each rank
+    differentiates its own tokens' share of the mean times the number of ranks: the engines
+    average gradients over the data-parallel x context-parallel ranks, which brings it back to the
+    gradient of the mean (Megatron's loss function scales by ``--context-parallel-size`` too)."""
+    mask = mask.float()
+    local = (values * mask).sum()
+    totals = torch.stack([local.detach(), mask.sum()])
+    dist.all_reduce(totals, group=cp.group)
+    count = totals[1].clamp(min=1.0)
+    return local * cp.size / count, totals[0] / count
+
+
 class _ModelLoss:
     """``loss``: the model's forward on a batch, then the task's ``criterion`` (engines that run
     the whole model call this; pipeline engines call ``inputs`` and ``criterion`` apart)."""
@@ -109,6 +128,9 @@ class GPTTask(_ModelLoss):
     ``eod``); ``attention`` is the model's ``config._attn_implementation``, which decides the
     mask's form. ``--eod-mask-loss`` acts through the dataset's ``loss_mask``. ``load_balancing``:
     an MoE model's auxiliary loss (``moe_loss.py``), added with its coefficient when on.
+    ``context``: under ``--context-parallel-size``, the model gets this rank's part of every
+    sequence at its positions (and no mask: its attention sees the whole sequence causally), and
+    the loss is the mean over the whole sequence (:func:`context_parallel_mean`).
     """
 
     vocab_size: int
@@ -118,6 +140,7 @@ class GPTTask(_ModelLoss):
     eod: int | None = None
     attention: str = "sdpa"
     load_balancing: LoadBalancingLoss | None = None
+    context: ContextParallel | None = None
 
     def __post_init__(self) -> None:
         if (self.reset_position_ids or self.reset_attention_mask) and self.eod is None:
@@ -130,8 +153,13 @@ class GPTTask(_ModelLoss):
 
     def inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """The model's keyword arguments for ``batch``."""
-        inputs: dict[str, Any] = {"input_ids": batch["tokens"], "use_cache": False}
-        if self.reset_position_ids or self.reset_attention_mask:
+        tokens = batch["tokens"]
+        inputs: dict[str, Any] = {"input_ids": tokens, "use_cache": False}
+        if self.context is not None:
+            positions = (batch["position_ids"] if self.reset_position_ids else
+                         torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens))  # fmt: skip
+            inputs.update(input_ids=self.context.local(tokens), position_ids=self.context.local(positions))
+        elif self.reset_position_ids or self.reset_attention_mask:
             # Positions always go with a 4D mask: OPT, say, would otherwise derive them from the mask.
             inputs["position_ids"] = batch["position_ids"]
             eod = self.eod if self.reset_attention_mask else None
@@ -143,7 +171,14 @@ class GPTTask(_ModelLoss):
     def criterion(self, out: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss to differentiate, and the metrics to log, from the model's output: the language
         modelling loss, plus the load-balancing loss times its coefficient when it is on."""
-        lm = masked_mean(token_losses(out.logits, batch["labels"], self.vocab_size, self.tp_group), batch["loss_mask"])
+        labels, mask = batch["labels"], batch["loss_mask"]
+        if self.context is not None:
+            labels, mask = self.context.local(labels), self.context.local(mask)
+        losses = token_losses(out.logits, labels, self.vocab_size, self.tp_group)
+        if self.context is not None:  # validate_args refuses the auxiliary loss with it
+            lm, mean = context_parallel_mean(losses, mask, self.context)
+            return lm, {"lm loss": mean}
+        lm = masked_mean(losses, mask)
         if self.load_balancing is None:
             return lm, {"lm loss": lm.detach()}
         aux = self.load_balancing(out.router_logits, batch["tokens"].numel())

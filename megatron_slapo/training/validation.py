@@ -28,7 +28,7 @@ from megatron_slapo.training.trainer_args import TRAINER_MINIMUM, check_trainer_
 # Flags that must be at least this large when given (None means "not given", which later checks handle).
 _MINIMUM = dict(
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=1,
-    expert_model_parallel_size=1, expert_tensor_parallel_size=1, micro_batch_size=1, global_batch_size=1,
+    expert_model_parallel_size=1, expert_tensor_parallel_size=1, context_parallel_size=1, micro_batch_size=1, global_batch_size=1,
     train_iters=1, seq_length=1, max_position_embeddings=1,
     num_layers=1, hidden_size=1, num_attention_heads=1, num_query_groups=1, ffn_hidden_size=1,
     num_experts=1, moe_ffn_hidden_size=1, moe_shared_expert_intermediate_size=1, moe_router_topk=1,
@@ -198,6 +198,35 @@ def _check_expert_parallel(args: argparse.Namespace, problems: Problems) -> None
                      "hold one copy per tensor-parallel rank, and expert-parallel ranks hold different experts")  # fmt: skip
 
 
+def _check_context_parallel(args: argparse.Namespace, problems: Problems) -> None:
+    """``--context-parallel-size``: causal decoders' sequences, cut into ``2 x C`` equal chunks, with
+    what the ring attention and the loss's sums across the ranks cover."""
+    cp = args.context_parallel_size
+    if cp == 1:
+        return
+    if args.task != "gpt":
+        problems.add(f"--context-parallel-size {cp}: context parallelism splits causal self-attention: "
+                     "pretrain_gpt.py's decoders only")  # fmt: skip
+        return
+    tp, seq = args.tensor_model_parallel_size, args.seq_length
+    if seq and seq % (2 * cp):
+        problems.add(f"{flag(args, 'seq_length')} must be divisible by 2 x --context-parallel-size {cp}: each rank "
+                     "holds two equal chunks (one early, one late, so every rank attends as much)")  # fmt: skip
+    elif seq and args.sequence_parallel and (seq // cp) % tp:
+        problems.add(f"--sequence-parallel splits each context-parallel rank's {seq // cp} tokens: not divisible "
+                     f"by --tensor-model-parallel-size {tp}")  # fmt: skip
+    refused = {
+        "--reset-attention-mask": args.reset_attention_mask,
+        "--moe-aux-loss-coeff > 0 (its statistics span the whole sequence)": bool(getattr(args, "moe_aux_loss_coeff", 0)),
+        "--moe-expert-capacity-factor (capacity counts a rank's tokens)": getattr(args, "moe_expert_capacity_factor",
+                                                                                   None) is not None,
+        "--engine deepspeed (ZeRO counts the data-parallel ranks in its batch)": args.engine == "deepspeed",
+    }  # fmt: skip
+    for what, given in refused.items():
+        if given:
+            problems.add(f"--context-parallel-size {cp}: {what} is not supported with context parallelism")
+
+
 def _check_language_pairs(args: argparse.Namespace, problems: Problems) -> None:
     """The data flags of pretrain_gpt.py, pretrain_bert.py and pretrain_t5.py, and what T5 does not do (yet)."""
     if args.data_path and args.mock_data:
@@ -242,9 +271,11 @@ def _check_vision_pairs(args: argparse.Namespace, problems: Problems) -> None:
 def _check_values(args: argparse.Namespace, world_size: int, problems: Problems) -> None:
     """How the values of flags given in range relate: the world and the model parallel sizes, the
     attention heads and the width, the sequence lengths."""
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if world_size % (tp * pp):
-        problems.add(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}) parallel sizes")
+    tp, pp, cp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    if world_size % (tp * pp * cp):
+        context = f" x context ({cp})" if cp > 1 else ""
+        problems.add(f"world size {world_size} is not divisible by tensor ({tp}) x pipeline ({pp}){context} parallel "
+                     "sizes")  # fmt: skip
     elif (world_size // (tp * pp)) % args.expert_model_parallel_size:
         problems.add(f"--expert-model-parallel-size {args.expert_model_parallel_size} must divide the data-parallel "
                      f"size, {world_size // (tp * pp)} (world {world_size} / (tensor {tp} x pipeline {pp})): the "
@@ -291,11 +322,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         _check_vision_pairs(args, problems)
     else:
         _check_language_pairs(args, problems)
+    _check_context_parallel(args, problems)
     problems.raise_if_any()
     if args.task != "vision" and args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    dp = world_size // (tp * pp)
+    dp = world_size // (tp * pp * args.context_parallel_size)  # Megatron's: context-parallel ranks read one batch
     args.data_parallel_size = dp
     resolve_training_length(args, dp)  # --train-samples sets --train-iters
     if args.global_batch_size is None:

@@ -46,7 +46,7 @@ def step_batches(run: Run) -> Iterator[Callable[[], list[dict]]]:
     init_num_microbatches_calculator(dist.get_rank(), None, args.global_batch_size, args.micro_batch_size, dp)
     try:
         n_micro = get_num_microbatches()
-        batches = iter(data_loader(run.datasets[0], 0, args.micro_batch_size, run.layout.dp_rank, dp, 0))
+        batches = iter(data_loader(run.datasets[0], 0, args.micro_batch_size, run.layout.data_rank, dp, 0))
         yield lambda: [next(batches) for _ in range(n_micro)]
     finally:
         destroy_num_microbatches_calculator()

@@ -1,0 +1,55 @@
+"""Context parallelism (``--context-parallel-size``) on any causal decoder, through the schedule.
+
+Each rank runs every layer on its part of the sequence (``parallel/context.py`` says which part).
+Everything but attention is per token and needs nothing else: the embedding (at the rank's
+positions, which the task passes), norms, MLPs, the LM head and the loss. Attention is the one
+place tokens meet, so each attention module's core (``softmax(q kᵀ) v``, between the projections
+and after rotary positions) becomes the ring over the context-parallel ranks, applied with the
+``attention_core`` primitive; the model's code is untouched. Under tensor parallelism each rank's
+ring carries its own heads; under sequence parallelism the core sees the rank's part of the
+sequence gathered over the tensor-parallel ranks, as without context parallelism.
+
+The model builds no attention mask (:func:`without_masks`): the ring knows every token's place.
+The trainer applies this plan first, before a pipeline's trace, which runs the layers (on the
+meta device, where the ring only gives its output's shape) and records how the masks are built.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from torch import nn
+
+from megatron_slapo.compat.transformers_internals import set_attn_implementation
+from megatron_slapo.errors import SchedulingError
+from megatron_slapo.kernels.context_attention import register
+from megatron_slapo.parallel.context import ContextParallel
+from megatron_slapo.primitives.attention_core import core_kind
+from megatron_slapo.schedule import Schedule
+
+
+def without_masks(model: nn.Module) -> None:
+    """Make ``model`` build no attention masks: its modules get a config of their own naming the
+    context-parallel attention (the run's config, which FLOP counts and exported checkpoints read,
+    keeps its attention)."""
+    config: Any = getattr(model, "config", None)
+    if config is None:
+        raise SchedulingError(f"{type(model).__name__} has no HF config: context parallelism splits HF decoders")
+    own = copy.copy(config)
+    set_attn_implementation(own, register())
+    for module in model.modules():
+        if getattr(module, "config", None) is config:
+            module.config = own
+
+
+def split_attention(sch: Schedule, cp: ContextParallel) -> list[str]:
+    """Run every attention module's core as the ring over ``cp``'s ranks; return their paths."""
+    paths = [path for path, node in sch.named_schedules() if core_kind(node.mod) is not None]
+    if not paths:
+        raise SchedulingError(f"--context-parallel-size {cp.size}: {type(sch.mod).__name__} has no attention module "
+                              "that calls transformers' attention functions (or GPT-Neo's _attn) to split")  # fmt: skip
+    for path in paths:
+        sch[path].attention_core(context_parallel=cp)
+    without_masks(sch.mod)
+    return paths
