@@ -10,8 +10,11 @@ backward), so the forward saves only ``q, k, v``, the output and one number per 
 
 Why not SDPA: its public API returns no log-sum-exp, without which partial results cannot be
 merged; torch's ring attention (``torch.distributed.tensor.experimental.context_parallel``) takes
-it from the private flash/efficient/cuDNN ops, which it dispatches for CUDA only. The blocks are
-plain matrix products, which run wherever torch does.
+it from the private flash/efficient/cuDNN ops, which it dispatches for CUDA only. On GPUs torch's
+would run, but it works on DTensors of buffers it shards itself, inside a context manager that
+patches SDPA for the whole step, and takes no mask (sliding windows); one kernel on both machines keeps a CPU run
+and a GPU run the same computation. The blocks are plain matrix products, which run wherever
+torch does.
 
 Shapes: queries ``[batch, kv_heads, group, chunk, dim]`` (grouped-query attention: ``group`` query
 heads per key/value head), keys and values ``[batch, kv_heads, 1, chunk, dim]``. Positions are
@@ -26,6 +29,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+
+def summed(dtype: torch.dtype) -> torch.dtype:
+    """The dtype scores and sums are kept in: fp32 for 16-bit and fp32 inputs, fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
 
 FULL = "full"  # every query of the chunk sees every key of the other
 SKIP = "skip"  # none does
@@ -59,7 +67,7 @@ class ChunkMasks:
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | str) -> torch.Tensor:
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.matmul(q, k.transpose(-1, -2)).to(summed(q.dtype)) * scale
     return scores if isinstance(mask, str) else scores.masked_fill(~mask, float("-inf"))
 
 
@@ -93,7 +101,7 @@ class Dropout:
         """The kept probabilities' scale (``0`` or ``1 / (1 - p)``) for a block, or None without dropout."""
         if not self.p:
             return None
-        return (torch.rand(like.shape, device=like.device) >= self.p).float() / (1.0 - self.p)
+        return (torch.rand(like.shape, device=like.device) >= self.p).to(like.dtype) / (1.0 - self.p)
 
 
 @dataclass
@@ -107,8 +115,10 @@ class Accumulator:
     @classmethod
     def empty(cls, q: torch.Tensor, value_dim: int) -> Accumulator:
         rows = q.shape[:-1]
-        return cls(torch.zeros((*rows, value_dim), dtype=torch.float32, device=q.device),
-                   torch.full(rows, float("-inf"), device=q.device), torch.zeros(rows, device=q.device))  # fmt: skip
+        dtype = summed(q.dtype)
+        return cls(torch.zeros((*rows, value_dim), dtype=dtype, device=q.device),
+                   torch.full(rows, float("-inf"), dtype=dtype, device=q.device),
+                   torch.zeros(rows, dtype=dtype, device=q.device))  # fmt: skip
 
     def add(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | str,
             dropout: Dropout) -> None:  # fmt: skip
@@ -121,11 +131,11 @@ class Accumulator:
         self.l = self.l * rescale + p.sum(-1)
         keep = dropout.keep(p)
         kept = p if keep is None else p * keep
-        self.o = self.o * rescale[..., None] + torch.matmul(kept.to(v.dtype), v).float()
+        self.o = self.o * rescale[..., None] + torch.matmul(kept.to(v.dtype), v).to(self.o.dtype)
         self.m = m
 
     def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The attention output (in ``dtype``) and each row's log-sum-exp (fp32, for the backward)."""
+        """The attention output (in ``dtype``) and each row's log-sum-exp (for the backward)."""
         return (self.o / self.l[..., None]).to(dtype), self.m + torch.log(self.l)
 
 
@@ -146,10 +156,10 @@ class BlockGrad:
         keep = dropout.keep(p)
         kept = p if keep is None else p * keep
         dv = torch.matmul(kept.to(self.grad_out.dtype).transpose(-1, -2), self.grad_out).sum(2, keepdim=True)
-        dp = torch.matmul(self.grad_out, v.transpose(-1, -2)).float()
+        dp = torch.matmul(self.grad_out, v.transpose(-1, -2)).to(p.dtype)
         if keep is not None:
             dp = dp * keep
         ds = (p * (dp - self.delta[..., None]) * scale).to(self.q.dtype)
-        self.dq += torch.matmul(ds, k).float()
+        self.dq += torch.matmul(ds, k).to(self.dq.dtype)
         dk = torch.matmul(ds.transpose(-1, -2), self.q).sum(2, keepdim=True)
         return dk, dv

@@ -49,9 +49,11 @@ def _now() -> str:
 
 def run_name(settings: RunSettings, shape: ModelShape, layout: Layout, data_parallel: int) -> str:
     """What ran, as a directory name: ``gpt-gpt2-4x256-tp2pp1dp1-gpt_tp`` (task, model type, layers x
-    hidden size, the tensor x pipeline x data layout, schedule)."""
+    hidden size, the tensor x pipeline x data layout (x context, ``cp2``, when split), schedule)."""
     size = f"{shape.num_layers}x{shape.hidden_size}"
-    where = f"tp{layout.tp_size}pp{layout.pp_size}dp{data_parallel}"
+    where = f"tp{layout.tp_size}pp{layout.pp_size}dp{data_parallel}" + (
+        f"cp{layout.cp_size}" if layout.cp_size > 1 else ""
+    )
     return "-".join((settings.task, settings.model_type, size, where, settings.schedule))
 
 

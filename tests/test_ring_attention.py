@@ -1,0 +1,73 @@
+"""The context-parallel attention kernel in one process (one rank holding the whole sequence):
+outputs and gradients against SDPA with the same mask, grouped-query heads, a sliding window,
+values narrower than keys; its dropout masks drawn again, the same, by the backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_slapo.kernels.attention_blocks import FULL, SKIP, ChunkMasks
+from megatron_slapo.kernels.ring_attention import context_attention
+from megatron_slapo.parallel.context import ContextParallel
+
+ALONE = ContextParallel(group=None, rank=0, size=1)
+
+
+def _allowed(seq: int, window: int | None) -> torch.Tensor:
+    gap = torch.arange(seq)[:, None] - torch.arange(seq)[None, :]
+    return (gap >= 0) & (gap < (window or seq))
+
+
+@pytest.mark.parametrize("window", [None, 3, 9])
+@pytest.mark.parametrize("value_dim", [8, 6])
+def test_outputs_and_gradients_match_sdpa(window, value_dim):
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, dtype=torch.float64, requires_grad=True)  # 4 heads sharing 2 key/value heads
+    k = torch.randn(2, 2, 16, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 16, value_dim, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 4, 16, value_dim, dtype=torch.float64)
+    out = context_attention(q, k, v, ALONE, scale=0.3, window=window)
+    mine = torch.autograd.grad(out, (q, k, v), grad)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=_allowed(16, window), scale=0.3, enable_gqa=True)
+    theirs = torch.autograd.grad(expected, (q, k, v), grad)
+    assert (out - expected).abs().max() < 1e-12
+    for a, b in zip(mine, theirs, strict=True):
+        assert (a - b).abs().max() < 1e-12
+
+
+def test_dropout_masks_are_drawn_again_by_the_backward():
+    """gradcheck holds only if the backward applies the very masks the forward drew (the seed is
+    set before each forward; the backward restores the generator state on its own)."""
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+    def attend(q, k, v):
+        torch.manual_seed(7)
+        return context_attention(q, k, v, ALONE, scale=0.5, dropout=0.3)
+
+    assert torch.autograd.gradcheck(attend, (q, k, v))
+    torch.manual_seed(7)
+    dropped = attend(q, k, v)
+    assert not torch.allclose(dropped, context_attention(q, k, v, ALONE, scale=0.5))  # dropout did act
+    state = torch.get_rng_state()
+    dropped.sum().backward()
+    assert torch.equal(state, torch.get_rng_state())  # the backward's replay left the generator as it was
+
+
+def test_chunk_masks_skip_later_keys_and_keep_the_window():
+    masks = ChunkMasks(chunk=4)
+    assert masks.between(2, 3, torch.device("cpu")) == SKIP  # a later chunk: nothing to see
+    assert masks.between(3, 1, torch.device("cpu")) == FULL
+    assert torch.equal(masks.between(1, 1, torch.device("cpu")), _allowed(4, None))
+    windowed = ChunkMasks(chunk=4, window=4)
+    assert windowed.between(3, 1, torch.device("cpu")) == SKIP  # 5 to 11 tokens back: out of the window
+    assert windowed.between(2, 1, torch.device("cpu")).sum() == 6  # the window's reach into the previous chunk
+
+
+def test_the_load_balanced_layout():
+    ranks = [ContextParallel(None, r, 4) for r in range(4)]
+    assert [cp.chunks() for cp in ranks] == [(0, 7), (1, 6), (2, 5), (3, 4)]
+    tokens = torch.arange(16).expand(2, 16)
+    assert ranks[1].local(tokens).tolist() == [[2, 3, 12, 13]] * 2
+    assert sorted(torch.cat([cp.token_index(16) for cp in ranks]).tolist()) == list(range(16))
+    with pytest.raises(ValueError, match="does not cut into 2 x 4 equal chunks"):
+        ranks[0].token_index(12)
