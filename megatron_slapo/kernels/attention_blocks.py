@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+
 def summed(dtype: torch.dtype) -> torch.dtype:
     """The dtype scores and sums are kept in: fp32 for 16-bit and fp32 inputs, fp64 for fp64."""
     return torch.promote_types(dtype, torch.float32)
