@@ -24,6 +24,7 @@ from torch import nn
 from megatron_slapo.compat.transformers_internals import set_attn_implementation
 from megatron_slapo.errors import SchedulingError
 from megatron_slapo.kernels.context_attention import register
+from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.parallel.context import ContextParallel
 from megatron_slapo.primitives.attention_core import core_kind
 from megatron_slapo.schedule import Schedule
@@ -46,9 +47,13 @@ def without_masks(model: nn.Module) -> None:
 def split_attention(sch: Schedule, cp: ContextParallel) -> list[str]:
     """Run every attention module's core as the ring over ``cp``'s ranks; return their paths."""
     paths = [path for path, node in sch.named_schedules() if core_kind(node.mod) is not None]
-    if not paths:
-        raise SchedulingError(f"--context-parallel-size {cp.size}: {type(sch.mod).__name__} has no attention module "
-                              "that calls transformers' attention functions (or GPT-Neo's _attn) to split")  # fmt: skip
+    config = getattr(sch.mod, "config", None)
+    layers = transformer_layers(sch.mod, config.num_hidden_layers) if config is not None else []
+    unsplit = [layer for layer in layers if not any(path.startswith(f"{layer}.") for path in paths)]
+    if unsplit or not paths:  # a layer that mixes tokens otherwise (MiniMax's linear attention) would see its part only
+        where = f"its layer {unsplit[0]}" if unsplit else type(sch.mod).__name__
+        raise SchedulingError(f"--context-parallel-size {cp.size}: {where} has no attention module that calls "
+                              "transformers' attention functions (or GPT-Neo's _attn) for the ring to replace")  # fmt: skip
     for path in paths:
         sch[path].attention_core(context_parallel=cp)
     without_masks(sch.mod)

@@ -3,17 +3,24 @@ passed round a ring (or all gathered). The kernel against SDPA on the whole sequ
 against one process at every layout it composes with; the ring's bytes against the analytic count;
 activations per rank against one process's; a context-parallel checkpoint resumed in one process."""
 
+import copy
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+import transformers
 
+import megatron_slapo as ms
+from megatron_slapo.errors import SchedulingError
 from megatron_slapo.kernels.ring_attention import context_attention
 from megatron_slapo.parallel.comm_log import CommLog
 from megatron_slapo.parallel.context import ContextParallel
+from megatron_slapo.plans.context_parallel import split_attention
 from megatron_slapo.training.loop import pretrain
+from schedules import auto
+from tests.distributed.families import tiny
 from tests.distributed.runs import (
     PARITY,
     assert_parity,
@@ -164,3 +171,46 @@ def test_context_parallelism_it_cannot_run_is_one_error_before_compute(argv, mes
     line = refused_on_every_rank([*_argv("llama", cache), *CP2, "--train-iters", "1", "--tensorboard-dir", tb, *argv],
                                  capsys)  # fmt: skip
     assert message in line, line
+
+
+LINEAR_ATTENTION = ("minimax",)  # some layers mix tokens by linear attention: refused
+
+
+@pytest.mark.parametrize("family", [f for f in auto.MODEL_TYPES if f not in LINEAR_ATTENTION])
+def test_every_auto_family_at_cp2_computes_what_one_process_does(family):
+    """Each family `--schedule auto` verifies, its attention split by the context-parallel plan
+    alone: each rank's logits for its tokens, and the weights' gradients summed over the ranks,
+    equal the whole model's on the whole sequence (rotary, learned or no positions; latent attention;
+    experts)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny(family)).eval()
+    whole = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 128, (2, 16), generator=generator)
+    weights = torch.randn(2, 16, 128, generator=generator) / 32  # the loss a mean over the 2 x 16 tokens
+    (whole(input_ids=ids).logits * weights).sum().backward()
+    cp = ContextParallel(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+    sch = ms.create_schedule(model)
+    split_attention(sch, cp)
+    split = ms.build(sch)
+    positions = torch.arange(16).expand(2, 16)
+    logits = split(input_ids=cp.local(ids), position_ids=cp.local(positions)).logits
+    (logits * cp.local(weights)).sum().backward()
+    expected = whole(input_ids=ids).logits.detach()
+    torch.testing.assert_close(logits, cp.local(expected), rtol=1e-5, atol=1e-5, msg=family)
+    for (name, p), q in zip(split.named_parameters(), whole.parameters(), strict=True):
+        if q.grad is None:  # not trained (ernie4_5_moe's routing statistics)
+            assert p.grad is None, (family, name)
+            continue
+        dist.all_reduce(p.grad)
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=f"{family} {name}")
+
+
+def test_a_model_with_layers_the_ring_cannot_split_is_refused():
+    """MiniMax mixes tokens by linear attention in some layers: on a part of the sequence they would
+    be wrong, so the plan refuses the model rather than split what it can."""
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(tiny("minimax"))
+    cp = ContextParallel(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+    with pytest.raises(SchedulingError, match="its layer model.layers.1 has no attention module"):
+        split_attention(ms.create_schedule(model), cp)
