@@ -52,6 +52,9 @@ LAYOUTS = [
     ("llama", "cp2-tp2-sp", (4,), [*CP2, *TP2, *SP]),
     ("llama", "cp2-pp2", (4,), [*CP2, *PP2]),
     ("llama", "cp4", (4,), CP4),
+    # two data-parallel ranks of two context-parallel ones: each pair reads its micro-batches
+    ("llama", "cp2-dp2-distopt", (4,), [*CP2, "--micro-batch-size", "2", "--use-distributed-optimizer"]),
+    ("qwen3_moe", "cp2-ep2", (4,), [*CP2, "--expert-model-parallel-size", "2"]),
     ("gpt", "cp2", (2,), CP2),
     ("opt", "cp2", (2,), CP2),
     ("gpt_neo", "cp2", (2,), CP2),
