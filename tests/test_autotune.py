@@ -239,6 +239,8 @@ def test_autotune_runs_trials_resumes_and_prints_a_command_that_trains(tmp_path)
         (["--micro-batch-sizes", "0,-1"], "--micro-batch-sizes 0,-1: each must be >= 1"),
         (["--nproc-per-node", "0"], "--nproc-per-node 0 must be >= 1"),
         (["--tp", "0"], "--tp 0 must be >= 1"),
+        (["--cp", "1,0"], "--cp 1,0: each must be >= 1"),
+        (["--", "--context-parallel-size", "2"], "--context-parallel-size: the tuner chooses these"),
         (["--zero", "0,4"], "--zero 0,4: choose from 0,1,2,3"),
         (["--recompute", "none,half"], "--recompute half: choose from none,selective,full"),
         (["--memory-budget-gib", "0"], "--memory-budget-gib 0.0 must be > 0"),
@@ -296,6 +298,42 @@ def test_an_moe_model_gets_expert_parallel_sizes_that_divide_its_experts_and_dat
     assert flags[flags.index("--expert-model-parallel-size") + 1] == "2"
     dense = list(autotune.gpt_space(4, 2, 4, 8, ask))
     assert {p["ep"] for p in dense} == {1} and "--expert-model-parallel-size" not in autotune.flags_of(dense[0])
+
+
+def test_context_parallel_sizes_are_searched_where_asked_and_the_trainer_takes_them():
+    """--cp lists the sizes (default 1: the exchange only pays for long sequences); a point keeps
+    one where validation does: it divides the ranks left by TP x PP and the sequence into 2C chunks,
+    not with DeepSpeed's ZeRO-2/3, each rank's tokens dividing over TP under sequence parallelism."""
+    from tools import autotune
+
+    ask = autotune_args(["--cp", "1,2,4", "--recompute", "none", "--micro-batch-sizes", "1,2"])
+    points = list(autotune.gpt_space(8, 2, 4, 8, ask, seq=12))  # 12 tokens: 4 chunks of 3, not 8
+    assert {p["cp"] for p in points} == {1, 2}
+    assert all(8 % (p["tp"] * p["pp"] * p["cp"]) == 0 for p in points)
+    assert not [p for p in points if p["cp"] == 2 and p["zero"] >= 2]
+    sp = {(p["tp"], p["cp"]): sorted({q["sp"] for q in points if (q["tp"], q["cp"]) == (p["tp"], p["cp"])})
+          for p in points}  # fmt: skip
+    assert sp[(2, 2)] == [False, True] and sp[(4, 2)] == [False]  # 6 tokens a rank: over TP 2, not TP 4
+    # TP4 x CP2 on 8 ranks: one data-parallel rank (the whole batch of 8 a step), two copies of the weights
+    at_tp4 = [p for p in points if p["tp"] == 4 and p["pp"] == 1 and p["cp"] == 2]
+    assert {p["zero"] for p in at_tp4} == {0, 1} and {p["mbs"] for p in at_tp4} == {1, 2}
+    flags = autotune.flags_of(at_tp4[0])
+    assert flags[flags.index("--context-parallel-size") + 1] == "2"
+    plain = list(autotune.gpt_space(8, 2, 4, 8, autotune_args([]), seq=12))
+    assert {p["cp"] for p in plain} == {1} and "--context-parallel-size" not in autotune.flags_of(plain[0])
+
+
+def test_when_nothing_fits_the_tuner_suggests_context_parallelism(tmp_path, capsys):
+    from tools import autotune
+
+    argv = ["--nproc-per-node", "2", "--tp", "1", "--pp", "1", "--sp", "off", "--zero", "0", "--micro-batch-sizes", "4",
+            "--recompute", "none", "--memory-budget-gib", "0.0001", "--results", str(tmp_path / "r.jsonl"), "--",
+            "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--global-batch-size", "8", "--data-cache-path", str(tmp_path / "cache")]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_:
+        autotune.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and "every configuration is over the memory budget: --cp 1,2,4" in err, err
 
 
 def autotune_args(argv):

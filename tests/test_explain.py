@@ -89,3 +89,67 @@ def test_explain_plans_expert_parallelism(tmp_path):
     assert rank["comm"]["all_reduce[edp]"] == experts // 2  # the experts' fp32 gradients, over their copies
     dense = rank["memory"]["params"] - experts // 2
     assert rank["comm"]["all_reduce[dp-cp]"] == dense  # the rest over every data-parallel rank
+
+
+def _estimate(tmp_path, world, *flags):
+    """One rank's estimate in this process (the stack imported once for the cases below)."""
+    from megatron_slapo.training.estimate import estimate
+
+    argv = [*TINY, "--seq-length", "64", "--data-cache-path", str(tmp_path / "cache"), *flags]
+    return estimate("gpt", argv, world, 0)
+
+
+def test_explain_knows_the_context_parallel_size(tmp_path):
+    """At CP2 each rank runs half of every sequence, moves the ring's keys and values as
+    --log-comm counts them (tests/distributed/test_explain.py checks both against real steps) and
+    reduces its gradients over the data-parallel x context-parallel ranks."""
+    one = _estimate(tmp_path, 1)
+    ring = _estimate(tmp_path, 2, "--context-parallel-size", "2")
+    gathered = _estimate(tmp_path, 2, "--context-parallel-size", "2", "--cp-comm-type", "allgather",
+                         "--recompute-granularity", "selective")  # fmt: skip
+    assert ring.context_parallel == 2 and ring.micro_batches == one.micro_batches == 4  # one data-parallel rank
+    assert ring.activations <= 0.55 * one.activations
+    # the keys and values stacked: 2 x batch 2 x 4 heads x 32 tokens x 16 dims x fp32, per layer and micro-batch
+    block, layers_micro = 2 * 2 * 4 * 32 * 16 * 4, 2 * 4
+    # p2p: one hop forward; backward one hop of the block and two of its fp32 gradient
+    assert ring.comm["isend[cp]"] == ring.comm["irecv[cp]"] == layers_micro * 4 * block
+    # all-gather of both blocks, again for the recomputed core and in the backward; their gradients reduce-scattered
+    assert gathered.comm["all_gather_single[cp]"] == layers_micro * 3 * 2 * block
+    assert gathered.comm["reduce_scatter_single[cp]"] == layers_micro * 2 * block
+    assert ring.comm["all_reduce[cp]"] == 4 * 8  # the loss's sum and token count, fp32, per micro-batch
+    grads = ring.memory["params"]  # megatron-core's fp32 gradients, over both ranks; the metric with them
+    assert ring.comm["all_reduce[dp-cp]"] == grads + 4 and "all_reduce[dp-cp]" not in one.comm
+
+
+def test_the_ring_on_meta_saves_computes_and_reaches_what_the_kernel_does():
+    """explain's meta pass runs the context-parallel attention on meta: it must save the bytes the
+    real kernel saves and count its FLOPs, forward and backward (one rank: the real one runs here)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_slapo.compat.torch_internals import storage_key
+    from megatron_slapo.kernels.ring_attention import context_attention, observing_meta
+    from megatron_slapo.parallel.context import ContextParallel
+
+    def measure(device: str, cp: ContextParallel, window: int | None = 3) -> tuple[int, int, list]:
+        q = torch.randn(2, 4, 16, 8, device=device).transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+        k, v = (torch.randn(2, 2, 16, d, device=device, requires_grad=True) for d in (8, 6))
+        seen, calls = {}, []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:  # each storage's bytes once, as explain counts them
+            seen[storage_key(t.untyped_storage())] = t.untyped_storage().nbytes()
+            return t
+
+        with (FlopCounterMode(display=False) as flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+              observing_meta(lambda phase, *_: calls.append(phase))):  # fmt: skip
+            out = context_attention(q, k, v, cp, scale=0.3, window=window)
+            grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape] and out.shape == (2, 4, 16, 6)
+        return sum(seen.values()), flops.get_total_flops(), calls
+
+    alone = ContextParallel(group=None, rank=0, size=1)
+    saved, flops, calls = measure("meta", alone)
+    assert (saved, flops) == measure("cpu", alone)[:2] and calls == ["forward", "backward"]
+    assert measure("cpu", alone, None)[1] == flops  # the window skips no chunk pair of two here
+    # the same 16 tokens as one of two ranks' (chunks 1 and 2 of 4): they see 5 chunks of keys, not 3
+    assert measure("meta", ContextParallel(group=None, rank=1, size=2), None)[1] == flops * 5 // 3

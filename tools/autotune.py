@@ -13,6 +13,12 @@ the tuner chooses the rest, from the candidates given (every one by default):
   each point gets the schedule the trainer gives it: the family's tensor-parallel one, ``gpt_tp``
   for GPT-2, at TP > 1);
 - ``pp``: pipeline sizes dividing the remaining ranks and the layers;
+- ``cp``: context-parallel sizes (``--context-parallel-size``: each rank runs ``1/C`` of every
+  sequence, exchanging keys and values in every attention layer), only those ``--cp`` lists (default
+  1, none): they divide the remaining ranks and the sequence into ``2C`` chunks, not with ZeRO-2/3
+  (DeepSpeed), each rank's tokens dividing over TP under sequence parallelism. The exchange makes a
+  step slower wherever the activations fit without it, so they are worth a search's trials only for
+  long sequences; when no point fits the memory budget the tuner says so and suggests ``--cp``;
 - ``sp``: sequence parallelism, where TP > 1;
 - ``zero``: 0 megatron-core's DDP, 1 its distributed optimizer (ZeRO-1), 2 and 3 DeepSpeed's
   ZeRO-2/3 (without a pipeline); above 0 only with data parallelism;
@@ -69,7 +75,7 @@ ZERO = {0: [], 1: ["--use-distributed-optimizer"], 2: ["--engine", "deepspeed", 
 CHOSEN = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--sequence-parallel", "--engine",
           "--zero-stage", "--deepspeed-config", "--use-distributed-optimizer", "--micro-batch-size",
           "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--checkpoint-ratio",
-          "--num-layers-per-virtual-pipeline-stage", "--expert-model-parallel-size")  # fmt: skip
+          "--num-layers-per-virtual-pipeline-stage", "--expert-model-parallel-size", "--context-parallel-size")  # fmt: skip
 
 
 def _ints(text: str) -> list[int]:
@@ -88,7 +94,7 @@ def _switches(text: str) -> list[bool]:
 def check_candidates(ours: argparse.Namespace) -> None:
     """ConfigError naming the first of the tuner's own flags whose value is out of range."""
     least = {"--nproc-per-node": ([ours.nproc_per_node], 1), "--tp": (ours.tp or [], 1), "--pp": (ours.pp or [], 1),
-             "--ep": (ours.ep or [], 1),
+             "--ep": (ours.ep or [], 1), "--cp": (ours.cp, 1),
              "--micro-batch-sizes": (ours.micro_batch_sizes, 1), "--zero": (ours.zero, 0),
              "--warmup": ([ours.warmup], 0), "--steps": ([ours.steps], 1), "--trial-timeout": ([ours.trial_timeout], 1),
              "--confirm-rounds": ([ours.confirm_rounds], 0)}  # fmt: skip
@@ -107,14 +113,22 @@ def check_candidates(ours: argparse.Namespace) -> None:
 
 
 def gpt_space(world: int, layers: int | None, heads: int | None, global_batch: int, ask: argparse.Namespace,
-              experts: int | None = None) -> Space:  # fmt: skip
+              experts: int | None = None, seq: int | None = None) -> Space:  # fmt: skip
     """The tuner's space for a decoder of ``layers`` and ``heads`` on ``world`` ranks (where the
     flags leave them to the HF config, explain refuses what does not divide). An MoE model of
     ``experts`` experts also gets expert-parallel sizes that divide them and the data-parallel
-    ranks (all of them unless ``--ep`` lists some), on the engines that run them (not ZeRO-2/3)."""
+    ranks (all of them unless ``--ep`` lists some), on the engines that run them (not ZeRO-2/3).
+    The context-parallel sizes ``--cp`` lists are kept where the trainer takes them for sequences
+    of ``seq`` tokens (``validation.py``'s rules: see the module docstring)."""
 
-    def dp(point: Point) -> int:
+    def dp(point: Point) -> int:  # the ranks holding copies of the weights: data- x context-parallel
         return world // (point["tp"] * point["pp"])
+
+    def data(point: Point) -> int:  # the ranks reading different micro-batches
+        return dp(point) // point["cp"]
+
+    def tokens(point: Point) -> int | None:  # of a sequence, on each context-parallel rank
+        return seq // point["cp"] if seq else None
 
     def divides(size: int, total: int | None) -> bool:
         return total is None or total % size == 0
@@ -123,13 +137,16 @@ def gpt_space(world: int, layers: int | None, heads: int | None, global_batch: i
     space.symbol("tp", [t for t in ask.tp or range(1, world + 1) if world % t == 0 and divides(t, heads)])
     space.symbol("pp", lambda p: [s for s in ask.pp or range(1, world // p["tp"] + 1)
                                   if divides(s, world // p["tp"]) and divides(s, layers)])  # fmt: skip
-    space.symbol("sp", lambda p: [v for v in (False, True) if v in ask.sp and (not v or p["tp"] > 1)])
-    space.symbol("zero", lambda p: [z for z in ask.zero if z == 0 or (dp(p) > 1 and (z < 2 or p["pp"] == 1))])
+    space.symbol("cp", lambda p: [c for c in ask.cp if dp(p) % c == 0 and divides(2 * c, seq)])
+    space.symbol("sp", lambda p: [v for v in (False, True) if v in ask.sp and (not v or (
+        p["tp"] > 1 and divides(p["tp"], tokens(p))))])  # fmt: skip
+    space.symbol("zero", lambda p: [z for z in ask.zero if z == 0 or (dp(p) > 1 and (z < 2 or (
+        p["pp"] == 1 and p["cp"] == 1)))])  # fmt: skip
     space.symbol("ep", lambda p: [e for e in ask.ep or range(1, dp(p) + 1) if e == 1 or (
         experts and experts % e == 0 and dp(p) % e == 0 and p["zero"] < 2)])  # fmt: skip
-    space.symbol("mbs", lambda p: [m for m in ask.micro_batch_sizes if (global_batch // dp(p)) % m == 0])
+    space.symbol("mbs", lambda p: [m for m in ask.micro_batch_sizes if (global_batch // data(p)) % m == 0])
     space.symbol("recompute", ask.recompute)
-    space.constraint(lambda p: global_batch % dp(p) == 0, "the global batch divides over the data-parallel ranks")
+    space.constraint(lambda p: global_batch % data(p) == 0, "the global batch divides over the data-parallel ranks")
     return space
 
 
@@ -138,6 +155,8 @@ def flags_of(point: Point) -> list[str]:
              "--micro-batch-size", str(point["mbs"]), *ZERO[point["zero"]], *RECOMPUTE[point["recompute"]]]  # fmt: skip
     if point.get("ep", 1) > 1:  # a dense model's points (and results kept from before) have none
         flags += ["--expert-model-parallel-size", str(point["ep"])]
+    if point.get("cp", 1) > 1:  # likewise: a point of one rank per sequence keeps its flags (and results)
+        flags += ["--context-parallel-size", str(point["cp"])]
     return [*flags, "--sequence-parallel"] if point["sp"] else flags
 
 
@@ -240,6 +259,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=_ints)
     p.add_argument("--pp", type=_ints)
     p.add_argument("--ep", type=_ints, help="expert-parallel sizes of an MoE model (default: all that divide)")
+    p.add_argument("--cp", type=_ints, default=[1], help="context-parallel sizes, for long sequences (default: 1 only)")
     p.add_argument("--sp", type=_switches, default=[False, True], help="off,on")
     p.add_argument("--zero", type=_ints, default=[0, 1, 2, 3])
     p.add_argument("--micro-batch-sizes", type=_ints, default=[1, 2, 4, 8])
@@ -269,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         # the model's shape, where the flags (or the embedded run) give it
         args = parse_args(ours.task, trial, prog="autotune.py")
         space = gpt_space(world, args.num_layers, args.num_attention_heads, args.global_batch_size, ours,
-                          args.num_experts)  # fmt: skip
+                          args.num_experts, args.seq_length)  # fmt: skip
         if not len(space):
             raise ConfigError("the space is empty: no candidate combination divides the ranks, heads, layers and batch")
         budget = int(ours.memory_budget_gib * 2**30) if ours.memory_budget_gib else default_budget(world)
@@ -298,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
         if len(points) > 5:
             print(f"> ... and {len(points) - 5} more {reason}")
     if outcome.best is None:
+        if outcome.counts.get("over the memory budget") == total and ours.cp == [1]:
+            print("> every configuration is over the memory budget: --cp 1,2,4 (say) lets each rank hold 1/C of "
+                  "every sequence's activations", file=sys.stderr)  # fmt: skip
         print("> no configuration trained: see the errors above", file=sys.stderr)
         sys.exit(1)
     best = outcome.best

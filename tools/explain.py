@@ -11,8 +11,11 @@ schedule did to each module, then per rank: weight, gradient and optimizer bytes
 per micro-batch (and how many micro-batches 1F1B holds at once), collective bytes per step by type
 and group, the pipeline bubble and FLOPs per step; with ``--expert-model-parallel-size``, each
 rank's routed experts (its bytes of them, the expert-data-parallel group) and the tokens'
-all-to-all. With ``--load DIR``, what the checkpoint there is and how this layout loads it (a
-``torch_dist`` one: the layout that saved it, and whether the run reshards it).
+all-to-all; with ``--context-parallel-size C``, each rank's figures for its ``1/C`` of every
+sequence and the attention's key/value exchange between the C ranks (the ``[cp]`` rows, the
+bytes ``--log-comm`` counts: :mod:`megatron_slapo.training.context_estimate`). With ``--load
+DIR``, what the checkpoint there is and how this layout loads it (a ``torch_dist`` one: the layout
+that saved it, and whether the run reshards it).
 
 - ``--task gpt|bert|t5|vision``: which trainer's flags (default gpt).
 - ``--world-size N``: the ranks of the run (default: ``WORLD_SIZE``, else TP x PP), at most
@@ -79,6 +82,13 @@ def _experts(e: RankEstimate) -> list[str]:
                "forward and backward"] if moved else [])]  # fmt: skip
 
 
+def _context(e: RankEstimate) -> str:
+    """Context parallelism's line for rank ``e``: what its figures cover, and what the ``[cp]`` rows are."""
+    return (f"Context parallelism, rank {e.rank}: each sequence split across {e.context_parallel} ranks, this one "
+            f"running 1/{e.context_parallel} of its tokens through every layer (the figures above); [cp]: the "
+            "attention's keys and values exchanged between them (and their gradients, backward), the loss's sums")  # fmt: skip
+
+
 def report(estimates: list[RankEstimate], world: int) -> str:
     first = estimates[0]
     lines = [f"What the schedule did (rank {first.rank}):", first.schedule, "",
@@ -97,6 +107,8 @@ def report(estimates: list[RankEstimate], world: int) -> str:
         lines += [f"  {key:<28} {value:>14,} B  {_mib(value)}" for key, value in e.comm.items()] or ["  none"]
         if e.experts:
             lines += _experts(e)
+        if e.context_parallel > 1:
+            lines.append(_context(e))
     if len(estimates) > 1 or first.bubble:
         lines.append(f"Pipeline bubble: {first.bubble:.1%} of each step idle ({len(estimates)} pipeline ranks, "
                      f"{len(first.stages)} stage(s) each, {first.micro_batches} micro-batches)")  # fmt: skip

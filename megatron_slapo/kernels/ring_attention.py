@@ -19,12 +19,13 @@ either way, and the backward draws them again.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
-from megatron_slapo.kernels.attention_blocks import SKIP, Accumulator, BlockGrad, ChunkMasks, Dropout
+from megatron_slapo.kernels.attention_blocks import SKIP, Accumulator, BlockGrad, ChunkMasks, Dropout, summed
 from megatron_slapo.parallel.collectives import _all_gather_single, _reduce_scatter_single
 from megatron_slapo.parallel.context import ContextParallel
 
@@ -117,13 +118,14 @@ class _ContextAttention(torch.autograd.Function):
         kv_heads, value_dim = k.size(1), v.size(-1)
         shape = (batch, kv_heads, heads // kv_heads, length)
         groups, grad = q.view(*shape, dim), grad_out.contiguous().view(*shape, value_dim)
-        delta = (grad.float() * out.view(grad.shape).float()).sum(-1)
-        dq = torch.zeros(groups.shape, dtype=torch.float32, device=q.device)
+        dtype = summed(q.dtype)
+        delta = (grad.to(dtype) * out.view(grad.shape).to(dtype)).sum(-1)
+        dq = torch.zeros(groups.shape, dtype=dtype, device=q.device)
         half = length // 2
         chunk = {start: BlockGrad(groups[..., s, :], grad[..., s, :], lse[..., s], delta[..., s], dq[..., s, :])
                  for start, s in ((0, slice(0, half)), (half, slice(half, length)))}  # fmt: skip
         kv = _pack(k, v)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # the block's gradient, summed in fp32
+        dkv = torch.zeros(kv.shape, dtype=dtype, device=q.device)  # the block's gradient, summed in fp32 (or fp64)
         grads = {}  # all_gather: each owner's, reduce-scattered at the end
         with drop.replaying(q.device):
             for owner, block in _blocks(kv, cp):
@@ -143,6 +145,68 @@ class _ContextAttention(torch.autograd.Function):
         return dq.to(q.dtype).view(q.shape), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
+MetaObserver = Callable[[str, ContextParallel, torch.Tensor, torch.Tensor], None]
+_meta_observers: list[MetaObserver] = []
+
+
+@contextlib.contextmanager
+def observing_meta(observer: MetaObserver) -> Iterator[None]:
+    """While open, ``observer(phase, cp, k, v)`` is called each time the ring runs on the meta
+    device, ``phase`` ``"forward"`` (again when recomputed) or ``"backward"``: where the real one
+    would exchange ``k`` and ``v`` between ``cp``'s ranks (``tools/explain.py`` counts those bytes:
+    ``training/context_estimate.py``)."""
+    _meta_observers.append(observer)
+    try:
+        yield
+    finally:
+        _meta_observers.remove(observer)
+
+
+class _OnMeta(torch.autograd.Function):
+    """The ring on the meta device, where nothing is exchanged: it saves what
+    :class:`_ContextAttention` saves (q, k, v, the output and the log-sum-exp per row), runs its
+    block products (the same matmuls, which FLOP counters see), reaches q, k and v backward and
+    tells the :func:`observing_meta` observers, so a meta pass (``tools/explain.py``) measures
+    what the ring keeps, computes and moves."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
+                window: int | None) -> torch.Tensor:  # fmt: skip
+        batch, heads, length, _ = q.shape
+        masks = ChunkMasks(length // 2, window)
+        ctx.pairs = [(rows, cols) for owner in range(cp.size) for rows, cols, _ in _pairs(cp, owner, masks, q.device)]
+        groups, keys, values = _grouped(q, k, v)
+        for rows, cols in ctx.pairs:  # each block's q kᵀ, then its probabilities times v
+            torch.matmul(torch.matmul(groups[..., rows, :], keys[..., cols, :].transpose(-1, -2)), values[..., cols, :])
+        out = q.new_empty((batch, heads, length, v.size(-1)))
+        ctx.save_for_backward(q, k, v, out, q.new_empty((batch, heads, length), dtype=summed(q.dtype)))
+        ctx.cp = cp
+        for observe in _meta_observers:
+            observe("forward", cp, k, v)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> tuple:
+        q, k, v, _, _ = ctx.saved_tensors
+        groups, keys, values = _grouped(q, k, v)
+        grad = grad_out.reshape(*groups.shape[:-1], v.size(-1))
+        for rows, cols in ctx.pairs:  # the scores again, dv, dp, dq, dk
+            scores = torch.matmul(groups[..., rows, :], keys[..., cols, :].transpose(-1, -2))
+            torch.matmul(scores.transpose(-1, -2), grad[..., rows, :])
+            ds = torch.matmul(grad[..., rows, :], values[..., cols, :].transpose(-1, -2))
+            torch.matmul(ds, keys[..., cols, :])
+            torch.matmul(ds.transpose(-1, -2), groups[..., rows, :])
+        for observe in _meta_observers:
+            observe("backward", ctx.cp, k, v)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
+
+
+def _grouped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries as ``[batch, kv_heads, group, tokens, dim]``, keys and values with a group axis of 1."""
+    batch, heads, length, dim = q.shape
+    return q.view(batch, k.size(1), heads // k.size(1), length, dim), k.unsqueeze(2), v.unsqueeze(2)
+
+
 def context_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cp: ContextParallel, *,
                       scale: float, dropout: float = 0.0, window: int | None = None) -> torch.Tensor:  # fmt: skip
     """Causal attention of this rank's ``[batch, heads, tokens, dim]`` queries over the whole
@@ -153,7 +217,7 @@ def context_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         raise ValueError(f"context-parallel attention takes two equal chunks per rank, not {query.size(2)} tokens")
     if query.size(1) % key.size(1):
         raise ValueError(f"{query.size(1)} query heads do not share {key.size(1)} key/value heads evenly")
-    if query.device.type == "meta":  # a trace's shape propagation: nothing to exchange
-        return query.new_empty((*query.shape[:-1], value.size(-1)))
+    if query.device.type == "meta":  # a trace's shape propagation, explain's meta pass: nothing to exchange
+        return _OnMeta.apply(query.contiguous(), key.contiguous(), value.contiguous(), cp, window)
     return _ContextAttention.apply(query.contiguous(), key.contiguous(), value.contiguous(), cp, scale, dropout,
                                    window)  # fmt: skip

@@ -8,7 +8,9 @@ backward, as the engine would run it. That pass is measured, not modelled:
 - activations: the bytes autograd saves for backward (saved-tensor hooks; each storage once,
   weights excluded), so recompute shows as what it really keeps;
 - collectives: :class:`~megatron_slapo.parallel.comm_log.CommLog`, the counter behind
-  ``--log-comm``, over the model's own collectives (the fake group's calls move nothing);
+  ``--log-comm``, over the model's own collectives (the fake group's calls move nothing); the
+  context-parallel ring's, which makes none on meta, from each of its runs
+  (:mod:`~megatron_slapo.training.context_estimate`);
 - FLOPs: ``FlopCounterMode`` (forward, backward and recomputation as they run).
 
 A pipeline rank runs its stages as megatron-core does: each stage from the values received at its
@@ -50,6 +52,7 @@ from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.parallel.comm_log import CommLog, group_names
 from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.tracing.meta_fixes import experts_on_meta
+from megatron_slapo.training.context_estimate import counting_exchanges, replicas_group, weight_replicas
 from megatron_slapo.training.expert_estimate import (
     ExpertShare,
     RoutedTraffic,
@@ -80,6 +83,7 @@ class RankEstimate:
     bubble: float  # the pipeline's idle fraction of a step
     schedule: str = field(default="", repr=False)  # Schedule.explain() of this rank
     experts: ExpertShare | None = None  # its routed experts, under expert parallelism
+    context_parallel: int = 1  # the ranks each sequence is split across (this one runs 1/C of its tokens)
 
     @property
     def peak(self) -> int:
@@ -99,6 +103,11 @@ class _Meter:
         self._seen: set[int] = set()
         self._log = CommLog()
         self.metrics = 0  # how many metrics the loss reports (each averaged over the ranks as an fp32)
+
+    def count(self, comm: Counter[str]) -> None:
+        """Collectives counted without being called (the context-parallel ring's, on meta): the
+        current stage's, as if called."""
+        self.comm.setdefault(self._stage, Counter()).update(comm)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -159,7 +168,7 @@ def _run_stages(model: PipelineStages, plan: Plan, batch: dict, meter: _Meter) -
 def _meta_pass(plan: Plan, model: torch.nn.Module, batch: dict) -> tuple[_Meter, list[int]]:
     weights = {storage_key(p.untyped_storage()) for p in model.parameters()}
     meter = _Meter(weights)
-    with meter.installed(), unpacked_on_meta(), experts_on_meta(model):
+    with meter.installed(), unpacked_on_meta(), experts_on_meta(model), counting_exchanges(meter.count):
         if isinstance(model, PipelineStages):
             return meter, _run_stages(model, plan, batch, meter)
         with meter.stage(0):
@@ -213,7 +222,8 @@ def _grad_bytes(args: argparse.Namespace) -> int:
 
 def _state_bytes(args: argparse.Namespace, w: _Weights, dp: int, stage: int | None, edp: int) -> dict[str, int]:
     """Weights, gradients and optimizer state, counted by each engine's own accounting (the one its
-    memory report uses) for this rank's share of ``w``: FSDP shards everything over ``dp``, ZeRO
+    memory report uses) for this rank's share of ``w``, of which ``dp`` ranks hold copies (the
+    data-parallel x context-parallel ranks): FSDP shards everything over them, ZeRO
     from the optimizer (1) to the weights (3), megatron-core's distributed optimizer the optimizer.
     ``gathered``: whole weights held while they are used (FSDP's root and two layers, the current
     and the prefetched; ZeRO-3's, kept from forward to backward). Expert-parallel weights' state is
@@ -254,14 +264,15 @@ def _data_parallel_comm(args: argparse.Namespace, w: _Weights, dp: int, micro: i
     comm: Counter[str] = Counter()
     if dp == 1:
         return comm
+    group = replicas_group(args)  # the trainer's group of the weights' copies (megatron-core's DDP: its own)
     numel = w.numel - w.experts  # expert-parallel weights: over their own group (expert_gradient_comm)
     weights, grads = numel * _weight_bytes(args), numel * _grad_bytes(args)
     if args.engine == "ddp":
-        comm["all_reduce[dp]"] += grads  # the buckets, once, after the last micro-batch
+        comm[f"all_reduce[{group}]"] += grads  # the buckets, once, after the last micro-batch
     elif args.engine == "fsdp":  # a layer is gathered for its forward and again for its backward; the
         gathered = 2 if half_precision(args) is not None else 4  # root's weights stay from forward to backward
-        comm["all_gather_single[dp]"] += micro * gathered * (numel + w.in_layers)
-        comm["reduce_scatter_single[dp]"] += grads  # gradient sync on the last micro-batch only
+        comm[f"all_gather_single[{group}]"] += micro * gathered * (numel + w.in_layers)
+        comm[f"reduce_scatter_single[{group}]"] += grads  # gradient sync on the last micro-batch only
     elif args.engine == "megatron":
         if args.use_distributed_optimizer:
             comm["reduce_scatter_single[dp-cp]"] += grads
@@ -274,12 +285,12 @@ def _data_parallel_comm(args: argparse.Namespace, w: _Weights, dp: int, micro: i
         # DEEPSPEED_PERSISTENT elements stay whole between micro-batches and are gathered once a step.
         large = sum(n for n in w.sizes if n > DEEPSPEED_PERSISTENT)
         gathers = 1 if numel <= DEEPSPEED_MAX_LIVE else 2
-        comm["all_gather_single[dp]"] += (gathers * micro * large + numel - large) * _weight_bytes(args)
-        comm["reduce_scatter_single[dp]"] += micro * grads
+        comm[f"all_gather_single[{group}]"] += (gathers * micro * large + numel - large) * _weight_bytes(args)
+        comm[f"reduce_scatter_single[{group}]"] += micro * grads
     else:  # stage 2 reduces every micro-batch's gradients into its partition, 0/1 once a step
-        comm["all_reduce[dp]"] += (micro if stage == 2 else 1) * grads
+        comm[f"all_reduce[{group}]"] += (micro if stage == 2 else 1) * grads
         if stage >= 1:
-            comm["all_gather_single[dp]"] += weights  # the updated partitions, back to every rank
+            comm[f"all_gather_single[{group}]"] += weights  # the updated partitions, back to every rank
     return comm
 
 
@@ -287,7 +298,8 @@ def _scalar_comm(args: argparse.Namespace, metrics: int, last_stage: bool, pp: i
     """A step's scalar collectives, fp32 each, keyed as ``--log-comm`` keys them: megatron-core's
     gradient norm, summed over its gradient-statistics group (the model-parallel ranks, ``[mp]``;
     every rank of the instance with the distributed optimizer), and the ``metrics`` averaged over the
-    data-parallel ranks (megatron-core's engine: on the last stage, then broadcast to every stage)."""
+    ``dp`` data-parallel (x context-parallel) ranks (megatron-core's engine: on the last stage, then
+    broadcast to every stage)."""
     from megatron.core import parallel_state as ps
 
     comm: Counter[str] = Counter()
@@ -300,7 +312,7 @@ def _scalar_comm(args: argparse.Namespace, metrics: int, last_stage: bool, pp: i
         if pp > 1:
             comm["broadcast[pp]"] += 4 * metrics
     if dp > 1 and (last_stage or args.engine != "megatron"):
-        comm["all_reduce[dp]"] += 4 * metrics
+        comm[f"all_reduce[{replicas_group(args)}]"] += 4 * metrics
     return comm
 
 
@@ -334,6 +346,7 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
         model.to(half)  # DDP's autocast keeps some activations in fp32, which this pass does not
     dp, pp = args.data_parallel_size, layout.pp_size
     micro = args.global_batch_size // (args.micro_batch_size * dp)
+    copies = weight_replicas(args)  # the data-parallel ranks, times the context-parallel ones: the weights' copies
     local = [k for k in range(plan.stages) if k % pp == layout.pp_rank]
     modules = [s for k, s in model.local(layout.pp_rank, pp)] if isinstance(model, PipelineStages) else [model]
     unique = list({id(p): p for m in modules for p in m.parameters()}.values())  # a tied weight once
@@ -343,7 +356,7 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
                        sum(p.numel() for p in unique if getattr(p, "sequence_parallel", False)),
                        sum(p.numel() for p in unique if is_expert(p)))  # fmt: skip
     experts = expert_share((node for _, node in plan.sch.named_schedules()), unique, _weight_bytes(args))
-    edp = experts.expert_data_parallel if experts else dp
+    edp = experts.expert_data_parallel if experts else copies
     with RoutedTraffic(model, args.moe_token_dispatcher_type) as traffic:
         meter, crossing = _meta_pass(plan, model, _meta_batch(plan))
     # the tokens' exchange: counted from what reached the experts, in place of the meta pass's (its routing is a guess)
@@ -352,8 +365,8 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
     for k in local:
         comm.update({key: micro * value for key, value in meter.comm.get(k, {}).items() if key not in routed})
     stage = zero_stage(args, dp)  # reads --deepspeed-config: once
-    comm.update(_engine_comm(args, weights, dp, micro, stage, edp))
-    comm.update(_scalar_comm(args, meter.metrics, plan.stages - 1 in local, pp, dp))
+    comm.update(_engine_comm(args, weights, copies, micro, stage, edp))
+    comm.update(_scalar_comm(args, meter.metrics, plan.stages - 1 in local, pp, copies))
     activations = sum(meter.saved[k] for k in local)
     in_flight, bubble = 1, 0.0
     if isinstance(model, PipelineStages):
@@ -376,7 +389,7 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
         bubble = (pp - 1) / (chunks * micro + pp - 1)
     return RankEstimate(
         rank=rank, coordinates=(layout.tp_rank, layout.pp_rank, layout.dp_rank), stages=local,
-        memory=_state_bytes(args, weights, dp, stage, edp), activations=activations, in_flight=in_flight,
+        memory=_state_bytes(args, weights, copies, stage, edp), activations=activations, in_flight=in_flight,
         comm=dict(sorted(comm.items())), flops=micro * sum(meter.flops[k] for k in local), micro_batches=micro,
-        bubble=bubble, schedule=text, experts=experts,
+        bubble=bubble, schedule=text, experts=experts, context_parallel=args.context_parallel_size,
     )  # fmt: skip

@@ -44,6 +44,13 @@ SLOW_CASES = {  # the slow tier's (the README's suite stays within 20 minutes)
     "tp2-selective-recompute": [*TP, "--recompute-granularity", "selective"],
     "zero2-bf16": ["--engine", "deepspeed", "--zero-stage", "2", "--bf16", "--micro-batch-size", "2"],
     "ep2-qwen3_moe": [*MOE, "--expert-model-parallel-size", "2"],  # whole experts on each rank, tokens to them
+    # each rank runs half of every sequence; the keys and values go round the ring, or are gathered
+    # (full recompute: once more forward), gradients are reduced over the DP x CP ranks
+    "cp2": ["--context-parallel-size", "2"],
+    "cp2-allgather-ddp-recompute": [
+        *["--context-parallel-size", "2", "--cp-comm-type", "allgather", "--engine", "ddp"],
+        *["--recompute-granularity", "full", "--recompute-method", "uniform"],
+    ],
 }
 TOLERANCE = 0.10
 
@@ -85,6 +92,9 @@ def test_explain_is_within_ten_percent_of_a_real_step(case, shared_tmp, cache):
     if not estimated["memory"].get("gathered"):  # a CPU's peak: saved + weights + gradients + optimizer
         _close(estimated["peak"], logged["peak"], "peak bytes (logged)")
     _close(estimated["flops"], measured["flops"], "FLOPs per step")
+    if "--context-parallel-size" in argv:  # the ring's saved tensors and block products, as its kernel's
+        assert abs(estimated["activations"] - logged["activations"]) <= 0.005 * 2**20, "beyond the log's rounding"
+        assert estimated["flops"] == measured["flops"]
     total = sum(measured["comm"].values())
     assert set(measured["comm"]) <= set(estimated["comm"]), (
         f"explain lists {estimated['comm']}, the run {measured['comm']}"
@@ -94,6 +104,8 @@ def test_explain_is_within_ten_percent_of_a_real_step(case, shared_tmp, cache):
         if max(wanted, listed) >= 0.01 * total:
             _close(listed, wanted, f"{key} bytes per step")
         elif "--engine" not in argv:  # megatron-core's scalars (the gradient norm, the metrics): exact
+            assert listed == wanted, f"{key}: explain {listed:,} bytes per step, the run {wanted:,}"
+        if key.endswith("[cp]"):  # the ring's exchange and the loss's sums: counted exactly
             assert listed == wanted, f"{key}: explain {listed:,} bytes per step, the run {wanted:,}"
     assert not wrong, wrong
     if "--expert-model-parallel-size" in argv:  # each rank holds 1/E of the routed experts' weights
