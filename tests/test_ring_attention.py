@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_slapo.kernels import ring_attention
 from megatron_slapo.kernels.attention_blocks import FULL, SKIP, ChunkMasks
 from megatron_slapo.kernels.ring_attention import context_attention
 from megatron_slapo.parallel.context import ContextParallel
@@ -18,9 +19,11 @@ def _allowed(seq: int, window: int | None) -> torch.Tensor:
     return (gap >= 0) & (gap < (window or seq))
 
 
+@pytest.mark.parametrize("tile_rows", [512, 3])  # a chunk in one tile, or in tiles of 3, 3 and 2 queries
 @pytest.mark.parametrize("window", [None, 3, 9])
 @pytest.mark.parametrize("value_dim", [8, 6])
-def test_outputs_and_gradients_match_sdpa(window, value_dim):
+def test_outputs_and_gradients_match_sdpa(window, value_dim, tile_rows, monkeypatch):
+    monkeypatch.setattr(ring_attention, "TILE_ROWS", tile_rows)
     torch.manual_seed(0)
     q = torch.randn(2, 4, 16, 8, dtype=torch.float64, requires_grad=True)  # 4 heads sharing 2 key/value heads
     k = torch.randn(2, 2, 16, 8, dtype=torch.float64, requires_grad=True)
@@ -35,10 +38,12 @@ def test_outputs_and_gradients_match_sdpa(window, value_dim):
         assert (a - b).abs().max() < 1e-12
 
 
-def test_dropout_masks_are_drawn_again_by_the_backward():
+def test_dropout_masks_are_drawn_again_by_the_backward(monkeypatch):
     """gradcheck holds only if the backward applies the very masks the forward drew (the seed is
     set before each forward; the backward restores the generator state on its own)."""
     q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+
+    monkeypatch.setattr(ring_attention, "TILE_ROWS", 3)  # several tiles: masks drawn per tile, in the same order
 
     def attend(q, k, v):
         torch.manual_seed(7)

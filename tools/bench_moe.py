@@ -254,7 +254,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _revision() -> str | None:
+def revision() -> str | None:
     """The checkout's commit, and whether the tree that ran differs from it."""
     git = ["git", "-C", str(Path(__file__).resolve().parents[1])]
     commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
         if a.json:
             info = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     "device": device, "load_average_1_5_15_min": os.getloadavg(), "torch": torch.__version__,
-                    "transformers": transformers.__version__, "commit": _revision(), "model": model}  # fmt: skip
+                    "transformers": transformers.__version__, "commit": revision(), "model": model}  # fmt: skip
             Path(a.json).write_text(json.dumps({"run": info, "rows": rows}, indent=1))
 
 

@@ -63,16 +63,34 @@ def _blocks(kv: torch.Tensor, cp: ContextParallel) -> Iterator[tuple[int, torch.
             block = _arrived(pending)
 
 
+# Queries are taken this many at a time: a block's scores and probabilities (and in the backward
+# their gradients) are ``rows x chunk`` per head, in fp32, however long the chunks grow.
+TILE_ROWS = 512
+
+
+def _tiles(start: int, end: int) -> list[slice]:
+    """The query tiles of tokens ``start`` to ``end`` (one chunk)."""
+    return [slice(first, min(first + TILE_ROWS, end)) for first in range(start, end, TILE_ROWS)]
+
+
+def _rank_tiles(length: int) -> list[slice]:
+    """The query tiles of a rank's ``length`` tokens, its two chunks' in order."""
+    return _tiles(0, length // 2) + _tiles(length // 2, length)
+
+
 def _pairs(cp: ContextParallel, owner: int, masks: ChunkMasks,
            device: torch.device) -> Iterator[tuple[slice, slice, torch.Tensor | str]]:  # fmt: skip
-    """This rank's query chunks against ``owner``'s key chunks: the two token slices and the mask,
-    for the pairs where some query sees some key."""
+    """This rank's query tiles against ``owner``'s key chunks: the tile's token slice, the chunk's,
+    and the mask between them, for the pairs where some query sees some key."""
     c = masks.chunk
     for a, query_chunk in enumerate(cp.chunks()):
         for b, key_chunk in enumerate(cp.chunks(owner)):
             mask = masks.between(query_chunk, key_chunk, device)
-            if mask is not SKIP:
-                yield slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c), mask
+            if mask is SKIP:
+                continue
+            for rows in _tiles(a * c, (a + 1) * c):
+                tile = mask if isinstance(mask, str) else mask[rows.start - a * c : rows.stop - a * c]
+                yield rows, slice(b * c, (b + 1) * c), tile
 
 
 def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -98,15 +116,14 @@ class _ContextAttention(torch.autograd.Function):
         kv = _pack(k, v)  # [2, batch, kv_heads, 1, length, dim]
         masks, drop = ChunkMasks(length // 2, window), Dropout(dropout)
         drop.start(q.device)
-        half = length // 2
-        sums = {start: Accumulator.empty(groups[..., start : start + half, :], v.size(-1)) for start in (0, half)}
+        sums = {rows.start: Accumulator.empty(groups[..., rows, :], value_dim) for rows in _rank_tiles(length)}
         for owner, block in _blocks(kv, cp):
             for rows, cols, mask in _pairs(cp, owner, masks, q.device):
                 sums[rows.start].add(groups[..., rows, :], block[0][..., cols, :dim], block[1][..., cols, :value_dim],
                                      scale, mask, drop)  # fmt: skip
-        (first, lse_first), (second, lse_second) = sums[0].result(q.dtype), sums[half].result(q.dtype)
-        out = torch.cat([first, second], dim=-2).view(batch, heads, length, value_dim)
-        ctx.save_for_backward(q, k, v, out, torch.cat([lse_first, lse_second], dim=-1))
+        outs, lses = zip(*(sums[start].result(q.dtype) for start in sorted(sums)), strict=True)
+        out = torch.cat(outs, dim=-2).view(batch, heads, length, value_dim)
+        ctx.save_for_backward(q, k, v, out, torch.cat(lses, dim=-1))
         ctx.cp, ctx.scale, ctx.masks, ctx.drop = cp, scale, masks, drop
         return out
 
@@ -121,9 +138,8 @@ class _ContextAttention(torch.autograd.Function):
         dtype = summed(q.dtype)
         delta = (grad.to(dtype) * out.view(grad.shape).to(dtype)).sum(-1)
         dq = torch.zeros(groups.shape, dtype=dtype, device=q.device)
-        half = length // 2
-        chunk = {start: BlockGrad(groups[..., s, :], grad[..., s, :], lse[..., s], delta[..., s], dq[..., s, :])
-                 for start, s in ((0, slice(0, half)), (half, slice(half, length)))}  # fmt: skip
+        tiles = {rows.start: BlockGrad(groups[..., rows, :], grad[..., rows, :], lse[..., rows], delta[..., rows],
+                                       dq[..., rows, :]) for rows in _rank_tiles(length)}  # fmt: skip
         kv = _pack(k, v)
         dkv = torch.zeros(kv.shape, dtype=dtype, device=q.device)  # the block's gradient, summed in fp32 (or fp64)
         grads = {}  # all_gather: each owner's, reduce-scattered at the end
@@ -132,7 +148,7 @@ class _ContextAttention(torch.autograd.Function):
                 if cp.comm == "allgather" and cp.size > 1:
                     dkv = grads.setdefault(owner, torch.zeros_like(dkv))
                 for rows, cols, mask in _pairs(cp, owner, masks, q.device):
-                    dk, dv = chunk[rows.start](block[0][..., cols, :dim], block[1][..., cols, :value_dim], scale, mask,
+                    dk, dv = tiles[rows.start](block[0][..., cols, :dim], block[1][..., cols, :value_dim], scale, mask,
                                                drop)  # fmt: skip
                     dkv[0][..., cols, :dim] += dk
                     dkv[1][..., cols, :value_dim] += dv
