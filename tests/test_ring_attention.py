@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_slapo.kernels import ring_attention
-from megatron_slapo.kernels.attention_blocks import FULL, SKIP, ChunkMasks
+from megatron_slapo.kernels.attention_blocks import FULL, PARTIAL, SKIP, ChunkMasks
 from megatron_slapo.kernels.ring_attention import context_attention
 from megatron_slapo.parallel.context import ContextParallel
 
@@ -59,13 +59,14 @@ def test_dropout_masks_are_drawn_again_by_the_backward(monkeypatch):
 
 
 def test_chunk_masks_skip_later_keys_and_keep_the_window():
-    masks = ChunkMasks(chunk=4)
-    assert masks.between(2, 3, torch.device("cpu")) == SKIP  # a later chunk: nothing to see
-    assert masks.between(3, 1, torch.device("cpu")) == FULL
-    assert torch.equal(masks.between(1, 1, torch.device("cpu")), _allowed(4, None))
+    cpu, masks = torch.device("cpu"), ChunkMasks(chunk=4)
+    assert masks.between(2, 3) == SKIP  # a later chunk: nothing to see
+    assert masks.between(3, 1) == FULL
+    assert masks.between(1, 1) == PARTIAL and torch.equal(masks.tile(1, 1, slice(0, 4), cpu), _allowed(4, None))
+    assert torch.equal(masks.tile(1, 1, slice(1, 3), cpu), _allowed(4, None)[1:3])  # a tile of its queries
     windowed = ChunkMasks(chunk=4, window=4)
-    assert windowed.between(3, 1, torch.device("cpu")) == SKIP  # 5 to 11 tokens back: out of the window
-    assert windowed.between(2, 1, torch.device("cpu")).sum() == 6  # the window's reach into the previous chunk
+    assert windowed.between(3, 1) == SKIP  # 5 to 11 tokens back: out of the window
+    assert windowed.between(2, 1) == PARTIAL and windowed.tile(2, 1, slice(0, 4), cpu).sum() == 6  # the window's reach
 
 
 def test_the_load_balanced_layout():
@@ -76,3 +77,20 @@ def test_the_load_balanced_layout():
     assert sorted(torch.cat([cp.token_index(16) for cp in ranks]).tolist()) == list(range(16))
     with pytest.raises(ValueError, match="does not cut into 2 x 4 equal chunks"):
         ranks[0].token_index(12)
+
+
+def test_16_bit_inputs_sum_in_fp32_under_autocast_too():
+    """bf16 queries, keys and values (as a --bf16 run's projections give them, autocast on): the
+    scores and sums are fp32 in the forward and in its recomputation, so the result is fp32's
+    rounded once to bf16, and the gradients are the fp32 ones to bf16's precision."""
+    torch.manual_seed(0)
+    full = [torch.randn(1, 4, 16, 8, requires_grad=True) for _ in range(3)]
+    half = [t.detach().bfloat16().requires_grad_() for t in full]
+    grad = torch.randn(1, 4, 16, 8)
+    expected = context_attention(*full, ALONE, scale=1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = context_attention(*half, ALONE, scale=1.0)
+    assert out.dtype == torch.bfloat16 and (out.float() - expected).abs().max() < 2e-2
+    for got, want in zip(torch.autograd.grad(out, half, grad.bfloat16()), torch.autograd.grad(expected, full, grad),
+                         strict=True):  # fmt: skip
+        assert (got.float() - want).abs().max() < 5e-2 * want.abs().max()

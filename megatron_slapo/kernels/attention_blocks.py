@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,35 +40,42 @@ FULL = "full"  # every query of the chunk sees every key of the other
 SKIP = "skip"  # none does
 
 
-@dataclass
+PARTIAL = "partial"  # some queries see some keys: the mask is built for each tile of queries
+
+
+@dataclass(frozen=True)
 class ChunkMasks:
     """Which keys each query sees between two chunks of ``chunk`` tokens: causal, and within
-    ``window`` tokens back when given (sliding-window attention: ``0 <= q - k < window``)."""
+    ``window`` tokens back when given (sliding-window attention: ``0 <= q - k < window``). Nothing
+    ``chunk x chunk`` is kept: a partial block's mask is built per tile of queries, when used."""
 
     chunk: int
     window: int | None = None
-    _cache: dict[int, torch.Tensor | str] = field(default_factory=dict)
 
-    def between(self, query_chunk: int, key_chunk: int, device: torch.device) -> torch.Tensor | str:
-        """:data:`FULL`, :data:`SKIP`, or a ``[chunk, chunk]`` boolean mask (True: attend)."""
+    def _reach(self, distance: int) -> int:
+        return self.window if self.window is not None else distance * self.chunk + self.chunk  # beyond any gap
+
+    def between(self, query_chunk: int, key_chunk: int) -> str:
+        """:data:`FULL`, :data:`SKIP` or :data:`PARTIAL`, for chunks ``query_chunk`` and ``key_chunk``."""
+        distance, c = query_chunk - key_chunk, self.chunk
+        nearest, farthest = distance * c - (c - 1), distance * c + (c - 1)  # q - k over the block
+        reach = self._reach(distance)
+        if farthest < 0 or nearest >= reach:
+            return SKIP
+        return FULL if nearest >= 0 and farthest < reach else PARTIAL
+
+    def tile(self, query_chunk: int, key_chunk: int, rows: slice, device: torch.device) -> torch.Tensor:
+        """The boolean mask (True: attend) of queries ``rows`` of ``query_chunk`` (offsets within
+        it) against every key of ``key_chunk``."""
         distance = query_chunk - key_chunk
-        if distance not in self._cache:
-            c = self.chunk
-            nearest, farthest = distance * c - (c - 1), distance * c + (c - 1)  # q - k over the block
-            reach = self.window if self.window is not None else farthest + 1
-            if farthest < 0 or nearest >= reach:
-                self._cache[distance] = SKIP
-            elif nearest >= 0 and farthest < reach:
-                self._cache[distance] = FULL
-            else:
-                i = torch.arange(c, device=device)
-                gap = distance * c + i[:, None] - i[None, :]
-                self._cache[distance] = (gap >= 0) & (gap < reach)
-        return self._cache[distance]
+        i, j = torch.arange(rows.start, rows.stop, device=device), torch.arange(self.chunk, device=device)
+        gap = distance * self.chunk + i[:, None] - j[None, :]
+        return (gap >= 0) & (gap < self._reach(distance))
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | str) -> torch.Tensor:
-    scores = torch.matmul(q, k.transpose(-1, -2)).to(summed(q.dtype)) * scale
+    dtype = summed(q.dtype)  # 16-bit inputs: products summed in fp32, as SDPA's kernels do (no fp16 overflow)
+    scores = torch.matmul(q.to(dtype), k.to(dtype).transpose(-1, -2)) * scale
     return scores if isinstance(mask, str) else scores.masked_fill(~mask, float("-inf"))
 
 
@@ -156,11 +163,13 @@ class BlockGrad:
         p = torch.exp(_scores(self.q, k, scale, mask) - self.lse[..., None])
         keep = dropout.keep(p)
         kept = p if keep is None else p * keep
-        dv = torch.matmul(kept.to(self.grad_out.dtype).transpose(-1, -2), self.grad_out).sum(2, keepdim=True)
-        dp = torch.matmul(self.grad_out, v.transpose(-1, -2)).to(p.dtype)
+        dv = (
+            torch.matmul(kept.to(self.grad_out.dtype).transpose(-1, -2), self.grad_out).to(p.dtype).sum(2, keepdim=True)
+        )
+        dp = torch.matmul(self.grad_out.to(p.dtype), v.to(p.dtype).transpose(-1, -2))
         if keep is not None:
             dp = dp * keep
         ds = (p * (dp - self.delta[..., None]) * scale).to(self.q.dtype)
         self.dq += torch.matmul(ds, k).to(self.dq.dtype)
-        dk = torch.matmul(ds.transpose(-1, -2), self.q).sum(2, keepdim=True)
+        dk = torch.matmul(ds.transpose(-1, -2), self.q).to(p.dtype).sum(2, keepdim=True)
         return dk, dv

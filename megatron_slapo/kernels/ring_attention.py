@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_slapo.kernels.attention_blocks import SKIP, Accumulator, BlockGrad, ChunkMasks, Dropout, summed
+from megatron_slapo.kernels.attention_blocks import FULL, SKIP, Accumulator, BlockGrad, ChunkMasks, Dropout, summed
 from megatron_slapo.parallel.collectives import _all_gather_single, _reduce_scatter_single
 from megatron_slapo.parallel.context import ContextParallel
 
@@ -85,12 +85,13 @@ def _pairs(cp: ContextParallel, owner: int, masks: ChunkMasks,
     c = masks.chunk
     for a, query_chunk in enumerate(cp.chunks()):
         for b, key_chunk in enumerate(cp.chunks(owner)):
-            mask = masks.between(query_chunk, key_chunk, device)
-            if mask is SKIP:
+            kind = masks.between(query_chunk, key_chunk)
+            if kind == SKIP:
                 continue
             for rows in _tiles(a * c, (a + 1) * c):
-                tile = mask if isinstance(mask, str) else mask[rows.start - a * c : rows.stop - a * c]
-                yield rows, slice(b * c, (b + 1) * c), tile
+                within = slice(rows.start - a * c, rows.stop - a * c)
+                yield rows, slice(b * c, (b + 1) * c), kind if kind == FULL else masks.tile(query_chunk, key_chunk,
+                                                                                            within, device)  # fmt: skip
 
 
 def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -235,5 +236,8 @@ def context_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         raise ValueError(f"{query.size(1)} query heads do not share {key.size(1)} key/value heads evenly")
     if query.device.type == "meta":  # a trace's shape propagation, explain's meta pass: nothing to exchange
         return _OnMeta.apply(query.contiguous(), key.contiguous(), value.contiguous(), cp, window)
-    return _ContextAttention.apply(query.contiguous(), key.contiguous(), value.contiguous(), cp, scale, dropout,
-                                   window)  # fmt: skip
+    # The kernel picks its own precisions (fp32 scores and sums for 16-bit inputs); autocast, which
+    # the backward would not see, stays out of it so both compute alike.
+    with torch.autocast(query.device.type, enabled=False):
+        return _ContextAttention.apply(query.contiguous(), key.contiguous(), value.contiguous(), cp, scale, dropout,
+                                       window)  # fmt: skip

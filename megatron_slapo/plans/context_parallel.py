@@ -31,9 +31,9 @@ from megatron_slapo.schedule import Schedule
 
 
 def without_masks(model: nn.Module) -> None:
-    """Make ``model`` build no attention masks: its modules get a config of their own naming the
-    context-parallel attention (the run's config, which FLOP counts and exported checkpoints read,
-    keeps its attention)."""
+    """Make ``model`` build no attention masks: ``model`` and its modules that shared its config get a
+    copy naming the context-parallel attention (the run's config object, which FLOP counts and
+    exported checkpoints read, keeps its attention; sub-configs of a composite config are shared)."""
     config: Any = getattr(model, "config", None)
     if config is None:
         raise SchedulingError(f"{type(model).__name__} has no HF config: context parallelism splits HF decoders")

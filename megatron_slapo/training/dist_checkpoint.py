@@ -260,11 +260,17 @@ def layout_record(args: argparse.Namespace, world: int) -> dict[str, Any]:
         engine = f"deepspeed ZeRO-{args.zero_stage}"
     elif engine == "megatron" and getattr(args, "use_distributed_optimizer", False):
         engine = "megatron with the distributed optimizer"
-    tp, pp = args.tensor_model_parallel_size, getattr(args, "pipeline_model_parallel_size", 1)
-    record = {"tensor": tp, "pipeline": pp, "data": world // (tp * pp), "engine": engine,
+    tp, pp, cp = (
+        args.tensor_model_parallel_size,
+        getattr(args, "pipeline_model_parallel_size", 1),
+        getattr(args, "context_parallel_size", 1),
+    )
+    record = {"tensor": tp, "pipeline": pp, "data": world // (tp * pp * cp), "engine": engine,
               "virtual": getattr(args, "num_layers_per_virtual_pipeline_stage", None)}  # fmt: skip
     if getattr(args, "expert_model_parallel_size", 1) > 1:  # recorded only when on: older records have none
         record["expert"] = args.expert_model_parallel_size
+    if cp > 1:
+        record["context"] = cp
     return record
 
 
@@ -278,12 +284,14 @@ def layout_text(record: dict[str, Any]) -> str:
     """``TP2 x PP2 x DP1, megatron`` (virtual stages when there are)."""
     virtual = f" (virtual stages of {record['virtual']} layers)" if record.get("virtual") else ""
     experts = f" (EP{record['expert']})" if record.get("expert") else ""
-    return f"TP{record['tensor']} x PP{record['pipeline']}{virtual} x DP{record['data']}{experts}, {record['engine']}"
+    context = f" x CP{record['context']}" if record.get("context") else ""
+    return (f"TP{record['tensor']} x PP{record['pipeline']}{virtual} x DP{record['data']}{context}{experts}, "
+            f"{record['engine']}")  # fmt: skip
 
 
 def _same_ranks(saved: dict[str, Any], here: dict[str, Any]) -> bool:
     """Whether every rank of this run is the rank that saved (so its RNG state is its own)."""
-    return all(saved.get(k) == here.get(k) for k in ("tensor", "pipeline", "data", "virtual"))
+    return all(saved.get(k) == here.get(k) for k in ("tensor", "pipeline", "data", "virtual", "context"))
 
 
 def read_checked(args: argparse.Namespace, root: str, num_layers: int) -> dict[str, Any]:

@@ -234,6 +234,9 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     backends = {node.metadata.compiled for _, node in sch.named_schedules()} - {None}
     if backends:
         why = "--compile" if args.compile else f"--schedule {settings.schedule} compiles its layers"
+        if cp:
+            raise ConfigError(f"{why} with --context-parallel-size {cp.size}: torch.compile does not trace the "
+                              "context-parallel ring's exchanges yet; run the layers eagerly")  # fmt: skip
         problems = [problem for problem in map(compiler_problem, sorted(backends)) if problem]
         if problems:
             raise ConfigError(f"{why}: {problems[0]}")

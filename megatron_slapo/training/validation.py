@@ -221,6 +221,8 @@ def _check_context_parallel(args: argparse.Namespace, problems: Problems) -> Non
         "--moe-expert-capacity-factor (capacity counts a rank's tokens)": getattr(args, "moe_expert_capacity_factor",
                                                                                    None) is not None,
         "--engine deepspeed (ZeRO counts the data-parallel ranks in its batch)": args.engine == "deepspeed",
+        f"--attention-backend {args.attention_backend} (the ring computes attention itself)":
+            args.attention_backend not in ("auto", None),
     }  # fmt: skip
     for what, given in refused.items():
         if given:

@@ -170,6 +170,8 @@ def test_a_context_parallel_checkpoint_resumes_in_one_process(reference, shared_
     (["--engine", "deepspeed"], "--engine deepspeed (ZeRO counts the data-parallel ranks in its batch) is not"),
     (["--reset-attention-mask"], "--reset-attention-mask is not supported with context parallelism"),
     (["--context-parallel-size", "4"], "is not divisible by tensor (1) x pipeline (1) x context (4)"),
+    (["--compile"], "--compile with --context-parallel-size 2: torch.compile does not trace"),
+    (["--attention-backend", "flash"], "--attention-backend flash (the ring computes attention itself) is not"),
 ])  # fmt: skip
 def test_context_parallelism_it_cannot_run_is_one_error_before_compute(argv, message, shared_tmp, cache, capsys):
     tb = os.path.join(shared_tmp, "tb-cp-refused")
