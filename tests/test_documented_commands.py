@@ -78,7 +78,8 @@ CHEAP = (
     Cheap(r"^bash tools/setup\.sh$", "made the .venv this suite runs in (CI runs it first)", skip=True),
     Cheap(r"^\.venv/bin/python -m pytest", "the suite itself", skip=True),
     Cheap(r"^bash tools/gpu_check\.sh", "needs a CUDA GPU (its tests skip without one)", skip=True),
-    Cheap(r"tools/bench(_suites|_collectives|_moe)?\.py", "a whole benchmark: tests/test_cli.py and test_bench_moe.py run them small", skip=True),
+    Cheap(r"tools/bench(_suites|_collectives|_moe|_context)?\.py", "a whole benchmark: tests/test_cli.py, "
+          "test_bench_moe.py and test_bench_context.py run them small", skip=True),
     Cheap(r"^sbatch ", "SLURM's submission: the script's own dry run", replace=(("sbatch ", "bash "),),
           append="--dry-run"),
     Cheap(r"^bash examples/(slurm/|single_node)(?!.*--dry-run)", "every GPU's command, printed", append="--dry-run"),
