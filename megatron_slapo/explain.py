@@ -47,6 +47,8 @@ def applied(node: ScheduleNode) -> list[str]:
         items.append(f"compile({meta.compiled})")
     if meta.sequence_split:
         items.append(f"sequence parallel: {meta.sequence_split}")
+    if meta.context_parallel > 1:
+        items.append(f"attention core: the ring over {meta.context_parallel} context-parallel ranks")
     return items
 
 

@@ -36,10 +36,9 @@ def summed(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-FULL = "full"  # every query of the chunk sees every key of the other
+# How two chunks of the sequence relate, as ChunkMasks.between says
+FULL = "full"  # every query of the one sees every key of the other
 SKIP = "skip"  # none does
-
-
 PARTIAL = "partial"  # some queries see some keys: the mask is built for each tile of queries
 
 
@@ -114,7 +113,7 @@ class Dropout:
 
 @dataclass
 class Accumulator:
-    """One query chunk's running ``m``, ``l`` and ``o`` over the key blocks seen so far."""
+    """One tile of queries' running ``m``, ``l`` and ``o`` over the key blocks seen so far."""
 
     o: torch.Tensor
     m: torch.Tensor
@@ -149,7 +148,7 @@ class Accumulator:
 
 @dataclass
 class BlockGrad:
-    """The backward of one query chunk against one key/value block: adds to ``dq`` in place and
+    """The backward of one tile of queries against one key/value block: adds to ``dq`` in place and
     returns the block's ``dk``, ``dv`` (summed over the query heads sharing each key head)."""
 
     q: torch.Tensor

@@ -156,9 +156,10 @@ class GPTTask(_ModelLoss):
         tokens = batch["tokens"]
         inputs: dict[str, Any] = {"input_ids": tokens, "use_cache": False}
         if self.context is not None:
-            positions = (batch["position_ids"] if self.reset_position_ids else
-                         torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens))  # fmt: skip
-            inputs.update(input_ids=self.context.local(tokens), position_ids=self.context.local(positions))
+            cp = self.context
+            positions = (cp.local(batch["position_ids"]) if self.reset_position_ids else
+                         cp.token_index(tokens.size(1), tokens.device).expand(tokens.size(0), -1))  # fmt: skip
+            inputs.update(input_ids=cp.local(tokens), position_ids=positions)
         elif self.reset_position_ids or self.reset_attention_mask:
             # Positions always go with a 4D mask: OPT, say, would otherwise derive them from the mask.
             inputs["position_ids"] = batch["position_ids"]
@@ -171,14 +172,12 @@ class GPTTask(_ModelLoss):
     def criterion(self, out: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss to differentiate, and the metrics to log, from the model's output: the language
         modelling loss, plus the load-balancing loss times its coefficient when it is on."""
-        labels, mask = batch["labels"], batch["loss_mask"]
-        if self.context is not None:
-            labels, mask = self.context.local(labels), self.context.local(mask)
-        losses = token_losses(out.logits, labels, self.vocab_size, self.tp_group)
-        if self.context is not None:  # validate_args refuses the auxiliary loss with it
-            lm, mean = context_parallel_mean(losses, mask, self.context)
+        if self.context is not None:  # the trainer refuses the auxiliary loss with it
+            cp = self.context
+            losses = token_losses(out.logits, cp.local(batch["labels"]), self.vocab_size, self.tp_group)
+            lm, mean = context_parallel_mean(losses, cp.local(batch["loss_mask"]), cp)
             return lm, {"lm loss": mean}
-        lm = masked_mean(losses, mask)
+        lm = masked_mean(token_losses(out.logits, batch["labels"], self.vocab_size, self.tp_group), batch["loss_mask"])
         if self.load_balancing is None:
             return lm, {"lm loss": lm.detach()}
         aux = self.load_balancing(out.router_logits, batch["tokens"].numel())

@@ -28,8 +28,8 @@ from megatron_slapo.training.trainer_args import TRAINER_MINIMUM, check_trainer_
 # Flags that must be at least this large when given (None means "not given", which later checks handle).
 _MINIMUM = dict(
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, num_layers_per_virtual_pipeline_stage=1,
-    expert_model_parallel_size=1, expert_tensor_parallel_size=1, context_parallel_size=1, micro_batch_size=1, global_batch_size=1,
-    train_iters=1, seq_length=1, max_position_embeddings=1,
+    expert_model_parallel_size=1, expert_tensor_parallel_size=1, context_parallel_size=1, micro_batch_size=1,
+    global_batch_size=1, train_iters=1, seq_length=1, max_position_embeddings=1,
     num_layers=1, hidden_size=1, num_attention_heads=1, num_query_groups=1, ffn_hidden_size=1,
     num_experts=1, moe_ffn_hidden_size=1, moe_shared_expert_intermediate_size=1, moe_router_topk=1,
     make_vocab_size_divisible_by=1, lr_decay_iters=1, lr_warmup_iters=0, recompute_num_layers=1,

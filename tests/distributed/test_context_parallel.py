@@ -199,6 +199,7 @@ def test_every_auto_family_at_cp2_computes_what_one_process_does(family):
     cp = ContextParallel(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
     sch = ms.create_schedule(model)
     split_attention(sch, cp)
+    assert f"attention core: the ring over {cp.size} context-parallel ranks" in sch.explain()
     split = ms.build(sch)
     positions = torch.arange(16).expand(2, 16)
     logits = split(input_ids=cp.local(ids), position_ids=cp.local(positions)).logits
