@@ -28,6 +28,7 @@ from megatron_slapo.init_tree import init_tree, originals_see_live, units
 from megatron_slapo.materialize import InitFn, Materializer, Slicing
 from megatron_slapo.metadata import Role
 from megatron_slapo.parallel.collectives import comm_device
+from megatron_slapo.parallel.layout import relative_sizes
 from megatron_slapo.parallel.random import get_rng_tracker
 from megatron_slapo.primitives.compile import apply_compiles
 from megatron_slapo.primitives.placement import linear_axes
@@ -105,7 +106,7 @@ def validate(sch: Schedule) -> None:
             bias = shards.get("bias")
             if bias is None:
                 raise node._error("column-parallel layer: shard its bias too, shard('bias', axis=0)")
-            if bias.stride != shards["weight"].stride:
+            if relative_sizes(bias.stride) != relative_sizes(shards["weight"].stride):
                 raise node._error(f"bias stride {bias.stride} differs from weight stride {shards['weight'].stride}")
         if role is Role.ROW and "bias" in shards:
             raise node._error("row-parallel layer: its bias is added after the reduction and must not be sharded")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from megatron_slapo.compat.torch_nn import own_parameters
+from megatron_slapo.parallel.layout import block_count
 
 if TYPE_CHECKING:
     from megatron_slapo.node import ScheduleNode
@@ -36,7 +37,7 @@ def applied(node: ScheduleNode) -> list[str]:
                      f"(expert-parallel rank {split.rank} of {split.size})")  # fmt: skip
     for name, spec in sorted(meta.shards.items()):
         local = tuple(getattr(node.mod, name).shape)
-        stride = f", stride {spec.stride}" if spec.stride > 1 else ""
+        stride = f", stride {spec.stride}" if block_count(spec.stride) > 1 else ""
         tied = "" if spec.explicit else " (tied)"
         items.append(f"shard {name} axis {spec.axis}{stride}: {tuple(spec.full_shape)} -> {local}{tied}")
     items += sorted(f"sync {mode} {_op_name(op)}" for mode, op in meta.syncs)

@@ -31,7 +31,8 @@ from megatron_slapo.compat.transformers_internals import (
 )
 from megatron_slapo.errors import SchedulingError
 from megatron_slapo.init_tree import InitNode
-from megatron_slapo.parallel.layout import shard_slice
+from megatron_slapo.models.constructed import constructed_values
+from megatron_slapo.parallel.layout import Stride, shard_slice
 
 InitFn = Callable[[nn.Module], None]
 
@@ -102,7 +103,7 @@ class Slicing:
     taken in turn, each ``(axis, stride, rank, world)`` (an expert-parallel one before a tensor-parallel one)."""
 
     full_shape: torch.Size
-    steps: tuple[tuple[int, int, int, int], ...]
+    steps: tuple[tuple[int, Stride, int, int], ...]
 
 
 class Materializer:
@@ -217,6 +218,11 @@ class Materializer:
             init_weights(owner, module)
         if hasattr(module, "reset_parameters") and any(self._unwritten(t) for t in direct):
             module.reset_parameters()
+        constructed = constructed_values(module)  # values only the constructor sets (models/constructed.py)
+        for table in own_tensor_tables(module) if constructed else ():
+            for name, value in constructed.items():
+                if table.get(name) is not None and self._unwritten(table[name]):
+                    table[name].copy_(value)
 
     def _unwritten(self, t: torch.Tensor) -> bool:
         """True for a work tensor the initialiser never wrote (or left NaNs in)."""

@@ -27,7 +27,7 @@ class ShardSpec:
     """How one tensor of a module was sharded."""
 
     axis: int
-    stride: int
+    stride: int | tuple[int, ...]  # parallel.layout.Stride: s equal blocks, or blocks of these relative sizes
     full_shape: torch.Size
     explicit: bool  # False when it was sharded through a tied parameter held by another module
 

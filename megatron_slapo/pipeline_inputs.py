@@ -28,6 +28,7 @@ Random ops (dropout, ``torch.rand``...) never count: recomputing them would draw
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,12 +105,12 @@ def _module_derived(owner: fx.GraphModule, node: fx.Node, found: Derivation) -> 
         return False  # a subgraph calls its owner's layers (weights it does not hold); dropout is random
     if next(module.parameters(), None) is not None:
         return False
-    graph = _analysis_graph(module)
+    given = _arguments(module, node)
+    constants = {name: v for name, v in given.items() if isinstance(v, (str, int, float, bool))}
+    graph = _analysis_graph(module, constants)
     if graph is None:  # opaque: every input must be input-derived
         return all(a in found for a in node.all_input_nodes)
     placeholders = [p for p in graph.graph.nodes if p.op == "placeholder"]
-    given: dict[str, Any] = dict(zip([p.target for p in placeholders], node.args, strict=False))
-    given.update(node.kwargs)
     inner = input_derived(graph, {p for p in placeholders if _all_derived(given.get(p.target), found)})
     output = next(n for n in graph.graph.nodes if n.op == "output")
     if not all(a in inner for a in output.all_input_nodes):
@@ -128,21 +129,31 @@ def _module_derived(owner: fx.GraphModule, node: fx.Node, found: Derivation) -> 
     return True
 
 
-def _analysis_graph(module: nn.Module) -> fx.GraphModule | None:
+def _arguments(module: nn.Module, node: fx.Node) -> dict[str, Any]:
+    """The call's arguments by the names of ``module``'s forward (positional ones matched in order)."""
+    if isinstance(module, fx.GraphModule):
+        names = [p.target for p in module.graph.nodes if p.op == "placeholder"]
+    else:
+        names = [p for p in inspect.signature(module.forward).parameters]
+    return {**dict(zip(names, node.args, strict=False)), **node.kwargs}
+
+
+def _analysis_graph(module: nn.Module, constants: dict[str, Any]) -> fx.GraphModule | None:
     """A graph of what ``module`` computes, to see what it reads; ``None`` if it has none (opaque).
 
     A traced module is its own graph. An untraced one is traced here with plain ``torch.fx``, only to
     be read (the stages still call the module): a meta copy is traced, so a forward that assigns
     attributes cannot alter the model, and a forward fx cannot follow (data-dependent branches,
-    ``*args``) leaves the module opaque. A forward a primitive rewrote (``PatchedForward``) or a
-    built-in layer is opaque too.
+    ``*args``) leaves the module opaque. The call's ``constants`` (Gemma 3's rotary embedding takes
+    the layer type, a string it builds attribute names from) are traced as the values they are. A
+    forward a primitive rewrote (``PatchedForward``) or a built-in layer is opaque too.
     """
     if "forward" in module.__dict__ or is_builtin_leaf(module):
         return None
     if isinstance(module, fx.GraphModule):
         return module
     try:
-        return fx.symbolic_trace(meta_copy(module))
+        return fx.symbolic_trace(meta_copy(module), concrete_args=constants or None)
     except Exception:  # noqa: BLE001 - whatever stops fx, the module stays opaque (the safe answer)
         return None
 

@@ -24,7 +24,8 @@ MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "granite", "st
                "smollm3", "gpt_neox", "olmo", "helium", "arcee", "ernie4_5", "exaone", "exaone4", "internlm3",
                "nemotron", "phi", "seed_oss", "jais2", "nanochat", "cwm", "iquestcoder", "hyperclovax",
                "mixtral", "qwen3_moe", "qwen2_moe", "minimax", "ernie4_5_moe", "glm4_moe", "deepseek_v3",
-               "deepseek_v2", "dots1")  # fmt: skip
+               "deepseek_v2", "dots1", "gemma", "gemma2", "gemma3_text", "vaultgemma", "phi3", "olmo2", "olmo3",
+               "glm4", "apertus", "ministral3", "granitemoe", "olmoe", "qwen3_next")  # fmt: skip
 
 
 def apply(sch: Schedule, config: Any = None, args: Any = None) -> None:

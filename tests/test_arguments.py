@@ -130,6 +130,13 @@ def test_schedule_list(capsys):
     assert pretrain("gpt", ["--schedule", "list"]) is None
     out = capsys.readouterr().out
     assert "gpt_tp" in out and "bert_tp" in out and "llama_tp" in out
+    from schedules import auto
+
+    assert f"auto          {len(auto.MODEL_TYPES)} families" in out and len(auto.MODEL_TYPES) >= 45
+    listed = {f.strip() for line in out.splitlines() if line.startswith(" " * 14) for f in line.split(",") if f.strip()}
+    most_named = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "olmo3",
+                  "glm4", "deepseek_v3"}  # fmt: skip
+    assert most_named <= listed == set(auto.MODEL_TYPES), most_named - listed
 
 
 def _deepspeed_config(tmp_path, config, *extra):

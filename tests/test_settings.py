@@ -100,7 +100,7 @@ def test_without_schedule_tensor_parallelism_gets_the_family_s_own_schedule():
     assert {default_for(t, 1) for t in expected} == {"default"}  # TP 1: nothing to split
     assert default_for("qwen3", 2) == default_for("mixtral", 4) == "auto"  # verified, nothing written by hand
     assert default_for("qwen3", 1) == "default"
-    assert default_for("codegen", 2) == "default"  # auto is not verified on it: refused as sharding nothing
+    assert default_for("codegen", 2) == "default"  # auto is not verified on it: check_schedule refuses it
     # every hand-written tensor-parallel schedule is some family's default; gpt_fused (one device) is none's
     defaults = {default_for(t, 2) for mod in SCHEDULES.values() if mod.MODEL_TYPES for t in mod.MODEL_TYPES}
     assert defaults == set(SCHEDULES) - SINGLE_DEVICE and "gpt_fused" in SINGLE_DEVICE

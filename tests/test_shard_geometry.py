@@ -79,10 +79,12 @@ def test_run_boxes_are_row_major_and_contiguous(shape: tuple[int, ...], start: i
 
 
 def test_boxes_saved_at_one_layout_load_at_another(tmp_path) -> None:
-    """GPT-2's q|k|v (stride 3) written by two TP ranks cut into data-parallel runs, and a padded
-    vocabulary; read back by one rank holding all, and by four TP ranks, through DCP."""
+    """GPT-2's q|k|v (stride 3), Phi-3's grouped-query q|k|v rows (``[q: 16 | k: 8 | v: 8]``, stride
+    (2, 1, 1)) and a padded vocabulary, written by two TP ranks cut into data-parallel runs; read
+    back by one rank holding all, and by four TP ranks, through DCP."""
     hidden = 4
     qkv = torch.randn(hidden, 3 * hidden)
+    packed = torch.randn(32, hidden)
     vocab = torch.randn(10, hidden)
 
     def pieces(tp: int, cut: bool) -> dict:
@@ -90,6 +92,7 @@ def test_boxes_saved_at_one_layout_load_at_another(tmp_path) -> None:
         for r in range(tp):
             for key, whole, placement in [
                 ("model.qkv", qkv, Placement((hidden, 3 * hidden // tp), (1, 3), r, tp)),
+                ("model.qkv_proj", packed, Placement((32 // tp, hidden), (0, (2, 1, 1)), r, tp)),
                 ("model.wte", vocab, Placement((16 // tp, hidden), (0, 1), r, tp, rows=10)),
             ]:
                 local = _local(whole, placement)
@@ -109,6 +112,6 @@ def test_boxes_saved_at_one_layout_load_at_another(tmp_path) -> None:
         dcp.load(
             {}, storage_reader=dcp.FileSystemReader(str(tmp_path)), planner=PieceLoadPlanner(targets), no_dist=True
         )
-        for key, whole in (("model.qkv", qkv), ("model.wte", vocab)):
+        for key, whole in (("model.qkv", qkv), ("model.qkv_proj", packed), ("model.wte", vocab)):
             for (offsets, sizes), view in targets[key][1]:
                 assert torch.equal(view, _narrow(whole, offsets, sizes)), (tp, key)

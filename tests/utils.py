@@ -93,9 +93,14 @@ def tiny_wideresnet():
     return WideResNetForImageClassification(config)
 
 
-def expected_shard(full: torch.Tensor, axis: int, rank: int, world: int, stride: int = 1) -> torch.Tensor:
-    """Rank ``rank``'s slice of ``full``, written out independently of the library's layout code."""
-    blocks = full.chunk(stride, dim=axis)
+def expected_shard(
+    full: torch.Tensor, axis: int, rank: int, world: int, stride: int | tuple[int, ...] = 1
+) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``full``, written out independently of the library's layout code:
+    ``stride`` s equal blocks, or a tuple of the blocks' relative sizes."""
+    weights = (1,) * stride if isinstance(stride, int) else tuple(stride)
+    unit = full.size(axis) // sum(weights)
+    blocks = full.split([w * unit for w in weights], dim=axis)
     return torch.cat([b.chunk(world, dim=axis)[rank] for b in blocks], dim=axis)
 
 

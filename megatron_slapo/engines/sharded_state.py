@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron_slapo.parallel.layout import Stride, as_stride
+
 WEIGHT = "weight"
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's, as torch names them
 
@@ -53,7 +55,7 @@ class ParamShards:
 
     names: list[str]
     shape: torch.Size
-    partition: tuple[int, int] | None
+    partition: tuple[int, Stride] | None
     tensors: dict[str, Run] = field(default_factory=dict)
     experts: tuple[int, int] | None = None
 
@@ -71,11 +73,12 @@ class EngineState:
 Fill = Callable[[EngineState], None]  # loads a checkpoint into the runs it is given, and sets the scalars
 
 
-def tensor_parallel_partition(p: torch.Tensor) -> tuple[int, int] | None:
-    """Megatron's tags on a parameter: ``(partition_dim, partition_stride)``, or None when replicated."""
+def tensor_parallel_partition(p: torch.Tensor) -> tuple[int, Stride] | None:
+    """Megatron's tags on a parameter: ``(partition_dim, partition_stride)``, or None when replicated
+    (the stride an int, or a tuple of unequal blocks' relative sizes: :mod:`megatron_slapo.parallel.layout`)."""
     if not getattr(p, "tensor_model_parallel", False):
         return None
-    return int(p.partition_dim), int(getattr(p, "partition_stride", 1))
+    return int(p.partition_dim), as_stride(getattr(p, "partition_stride", 1))
 
 
 def expert_partition(p: torch.Tensor) -> tuple[int, int] | None:

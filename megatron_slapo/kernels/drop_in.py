@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import FastGELUActivation, NewGELUActivation
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 # HF activations that compute GeLU's tanh approximation as a formula (QuickGELU is another function)
 TANH_FORMULAS = (NewGELUActivation, FastGELUActivation)
@@ -64,9 +65,22 @@ def _code(fn: object) -> tuple:
     return code.co_code, code.co_names, code.co_consts
 
 
-def _is_llama_rms_norm(module: nn.Module) -> bool:
+def _same_forward(module: nn.Module, known: type[nn.Module]) -> bool:
     forward = getattr(type(module), "forward", None)
-    return hasattr(forward, "__code__") and _code(forward) == _code(LlamaRMSNorm.forward)
+    return hasattr(forward, "__code__") and _code(forward) == _code(known.forward)
+
+
+def _is_llama_rms_norm(module: nn.Module) -> bool:
+    return _same_forward(module, LlamaRMSNorm)
+
+
+def rms_norm_form(module: nn.Module) -> str | None:
+    """``"llama"`` (the weight times the input cast back: ``weight * x.to(dtype)``), ``"olmo2"``
+    (cast after the weight: ``(weight * x).to(dtype)``) for an HF RMSNorm whose forward is the one
+    of those classes (copied across families as they are), else None: a norm of another formula."""
+    if _is_llama_rms_norm(module):
+        return "llama"
+    return "olmo2" if _same_forward(module, Olmo2RMSNorm) else None
 
 
 def kernel_for(module: nn.Module) -> nn.Module | None:

@@ -1,7 +1,8 @@
 """One projection for q, k and v (three GEMMs become one), tensor-parallel aware.
 
 Under tensor parallelism the fused projection is column-parallel with Megatron's stride layout
-(``shard("weight", axis=0, stride=3)``, see :mod:`megatron_slapo.parallel.layout`): each rank
+(``shard("weight", axis=0, stride=3)``, or ``stride=(H, KV, KV)`` when k and v are narrower than q,
+see :mod:`megatron_slapo.parallel.layout`): each rank
 holds its own heads of q, k and v, one after the other, so its output splits into *local* sizes
 (the global ones divided by the TP size). The layout is checked before anything runs
 (:meth:`FusedQKV.schedule_problem`, called by ``build``'s validation).
@@ -19,11 +20,11 @@ import torch
 from torch import nn
 
 from megatron_slapo.kernels.fused_rows import FusedRows
-from megatron_slapo.parallel.layout import shard_slice
+from megatron_slapo.parallel.layout import Stride, relative_sizes, shard_slice
 
 
 @functools.lru_cache(maxsize=64)
-def _local_sizes(sizes: tuple[int, ...], local: int, stride: int, head_dim: int | None) -> tuple[int, ...] | str:
+def _local_sizes(sizes: tuple[int, ...], local: int, stride: Stride, head_dim: int | None) -> tuple[int, ...] | str:
     """The per-rank sizes of ``sizes`` when a row-sharded ``sum(sizes)`` axis keeps ``local`` rows
     per rank with ``stride``; or why that layout does not give every rank whole, contiguous parts."""
     total = sum(sizes)
@@ -33,17 +34,22 @@ def _local_sizes(sizes: tuple[int, ...], local: int, stride: int, head_dim: int 
     if any(size % world for size in sizes):
         return f"sizes {list(sizes)} are not all divisible by the tensor-parallel size {world}"
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    fits = relative_sizes(sizes)  # the stride that does: len(sizes) when they are equal
+    wanted = len(sizes) if fits == (1,) * len(sizes) else fits
     for rank in range(world):
-        rows = shard_slice(torch.arange(total), 0, stride, rank, world)
         own = [
             torch.arange(o + rank * s // world, o + (rank + 1) * s // world)
             for o, s in zip(offsets, sizes, strict=True)
         ]
-        if not torch.equal(rows, torch.cat(own)):
+        try:
+            rows = shard_slice(torch.arange(total), 0, stride, rank, world)
+        except ValueError:  # the stride's blocks do not even cut this axis whole
+            rows = None
+        if rows is None or not torch.equal(rows, torch.cat(own)):
             return (
                 f"sharding its projection with stride {stride} over {world} ranks does not give each rank its own "
                 f"part of q, k and v in turn (sizes {list(sizes)}); shard proj.weight and proj.bias with stride "
-                f"{len(sizes)} (equal sizes), or shard separate q, k, v layers instead"
+                f"{wanted}, or shard separate q, k, v layers instead"
             )
     local_sizes = tuple(size // world for size in sizes)
     if head_dim is not None and any(size % head_dim for size in local_sizes):

@@ -10,6 +10,7 @@ function          forward                  backward
 ================  =======================  ==========================
 reduce_forward    all-reduce (Megatron g)  identity
 reduce_backward   identity                 all-reduce (Megatron f)
+reduce_both       all-reduce               all-reduce
 all_gather        all-gather along dim     split, or reduce-scatter
 reduce_scatter    reduce-scatter on dim    all-gather
 scatter           keep own chunk of dim    all-gather
@@ -176,6 +177,17 @@ class _ReduceBackward(torch.autograd.Function):
         return _all_reduce(grad, ctx.group), None
 
 
+class _ReduceBoth(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group, backward):
@@ -225,6 +237,13 @@ def reduce_forward(x: torch.Tensor, group: Group, inplace: bool = False) -> torc
 def reduce_backward(x: torch.Tensor, group: Group) -> torch.Tensor:
     """Identity in the forward; sum the gradient across ``group`` in the backward (Megatron's f)."""
     return _ReduceBackward.apply(x, group)
+
+
+def reduce_both(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum ``x`` across ``group`` in the forward, and its gradient in the backward: for a sum that
+    each rank then uses on its own part of the data (a split RMSNorm's sum of squares), so every
+    rank's use contributes to the gradient of every rank's summand."""
+    return _ReduceBoth.apply(x, group)
 
 
 def own_part(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:

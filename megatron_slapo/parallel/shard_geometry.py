@@ -2,8 +2,10 @@
 
 Two kinds of partitioning stack up on a parameter. Tensor parallelism (Megatron's tags
 ``partition_dim`` and ``partition_stride``) gives each TP rank a slice of the global tensor along
-one dimension; with stride ``s`` the slice is ``s`` blocks, one from each of ``s`` equal parts
-(GPT-2's fused q|k|v has stride 3: rank ``r`` holds ``q_r | k_r | v_r``). Data-parallel
+one dimension; with a stride the slice is one piece of each of the blocks the stride cuts that
+dimension into (:mod:`megatron_slapo.parallel.layout`): GPT-2's fused q|k|v has stride 3, three
+equal blocks, and Phi-3's ``qkv_proj`` with grouped-query attention stride ``(H, KV, KV)``, blocks
+of those relative sizes; either way rank ``r`` holds ``q_r | k_r | v_r``. Data-parallel
 partitioning (ZeRO, the distributed optimizer, FSDP2) then gives each rank a run of consecutive
 elements of its TP-local tensor flattened. A run is split here into row-major boxes
 (:func:`run_boxes`), each box into the parts that fall into one tensor-parallel block
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_slapo.parallel.layout import Stride, block_sizes
+
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
 
 
@@ -36,7 +40,7 @@ class Placement:
     equal parts of (before any tensor-parallel split of another dim), else None."""
 
     local_shape: tuple[int, ...]
-    partition: tuple[int, int] | None
+    partition: tuple[int, Stride] | None
     rank: int = 0
     size: int = 1
     rows: int | None = None
@@ -65,19 +69,17 @@ class Placement:
         dim, stride = self.partition if self.partition is not None else (0, 1)
         if not self.local_shape or (self.partition is None and self.rows is None):
             return [(0, 0, self.local_shape[0] if self.local_shape else 1)]
-        extent = self.local_shape[dim]
-        if extent % stride:
-            raise ValueError(f"a dimension of {extent} does not split into {stride} strided blocks")
-        length = extent // stride
+        lengths = block_sizes(self.local_shape[dim], stride)  # this rank's piece of each block
         size = self.size if self.partition is not None else 1
         rank = self.rank if self.partition is not None else 0
         limit = self.rows if self.rows is not None and dim == 0 else None
-        found = []
-        for j in range(stride):
-            start = j * length * size + rank * length
+        found, local = [], 0
+        for length in lengths:
+            start = local * size + rank * length  # the blocks before, whole, then the ranks before's pieces
             end = start + length if limit is None else min(start + length, limit)
             if end > start:
-                found.append((j * length, start, end - start))
+                found.append((local, start, end - start))
+            local += length
         return found
 
 

@@ -54,6 +54,10 @@ def split_attention(sch: Schedule, cp: ContextParallel) -> list[str]:
         where = f"its layer {unsplit[0]}" if unsplit else type(sch.mod).__name__
         raise SchedulingError(f"--context-parallel-size {cp.size}: {where} has no attention module that calls "
                               "transformers' attention functions (or GPT-Neo's _attn) for the ring to replace")  # fmt: skip
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap:  # Gemma 2's: tanh-capped scores, which the ring's online softmax and its backward do not apply
+        raise SchedulingError(f"--context-parallel-size {cp.size}: {config.model_type} caps its attention scores "
+                              f"(attn_logit_softcapping={cap}), which the context-parallel ring does not apply")  # fmt: skip
     for path in paths:
         sch[path].attention_core(context_parallel=cp)
     without_masks(sch.mod)

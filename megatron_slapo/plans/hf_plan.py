@@ -15,10 +15,17 @@ placements, with Megatron's collectives:
 - ``moe_tp_experts`` modules (with their ``packed_colwise`` gate|up and ``rowwise`` down weights) are
   :class:`~megatron_slapo.plans.experts.TensorParallelExperts`: every expert split by its
   features, one reduction per MoE block, the router replicated;
+- ``colwise_gather_output`` / ``rowwise_split_input`` (HF gathers q/k/v or gate|up whole and splits
+  them again) are placed as Megatron places the block where it has a row-parallel layer to end the
+  region: packed projections strided, full-width q/k norms split with their sums of squares
+  all-reduced (:mod:`~megatron_slapo.plans.gathered_outputs`); otherwise followed to the letter;
 - ``replicated_with_grad_allreduce`` parameters (Qwen3's per-head q/k norms) see only this rank's
   heads: their gradients are partial sums, tagged as Megatron tags such parameters
-  (``sequence_parallel``), so every engine sums them over the tensor-parallel ranks;
-- the input embedding is vocabulary-parallel and the LM head vocabulary-parallel with the
+  (``sequence_parallel``), so every engine sums them over the tensor-parallel ranks; so are
+  single-number parameters inside a region (Apertus' activation slopes);
+- a plan that names nothing of the layers' attention, which has Llama's four projections
+  (GraniteMoE's), is completed with Llama's entries for it;
+- the input embedding is vocabulary-parallel (a scaled one, Gemma's, keeps its scale) and the LM head vocabulary-parallel with the
   vocabulary-parallel loss (the plan itself leaves both whole); the final norm gathers the
   sequence under ``--sequence-parallel``;
 - attention modules get their head counts divided where they keep them as attributes (found
@@ -46,9 +53,11 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from megatron_slapo.errors import SchedulingError
+from megatron_slapo.parallel.layout import Stride
 from megatron_slapo.plans.expert_parallel import ExpertParallelExperts
 from megatron_slapo.plans.experts import TensorParallelExperts
 from megatron_slapo.plans.fusion import why_not_fused
+from megatron_slapo.plans.gathered_outputs import GATHERED, gathered_column, megatron_form
 from megatron_slapo.plans.latent_attention import LatentAttentionHeads, is_latent_attention
 from megatron_slapo.plans.sequence import SplitAlongSequence
 from megatron_slapo.plans.styles import (
@@ -69,7 +78,7 @@ if TYPE_CHECKING:
     from megatron_slapo.schedule import Schedule
 
 # The styles plan_from_hf honours (packed_colwise: an experts module's gate|up weight)
-STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_experts", "packed_colwise")
+STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "moe_tp_experts", "packed_colwise", *GATHERED)
 # Under --sequence-parallel, the dim a region gathers and its row-parallel layers scatter: the one
 # before the features, the sequence of (batch, sequence, features) and the tokens of (tokens, features)
 # (an MoE block's shared experts see the tokens flattened; each rank's come whole, in order)
@@ -78,6 +87,7 @@ ROWS = -2
 NO_SEQUENCE_PARALLEL = {
     "nanochat": "it runs its final norm on the embeddings too: no module ends the split alone",
     "minimax": "its plan leaves the lightning-attention layers whole, and they mix the tokens of the whole sequence",
+    "qwen3_next": "its plan runs the linear-attention layers whole, and they carry a state along the whole sequence",
 }
 # Attributes an attention module may size its reshapes from, and the config fields they mirror
 HEAD_ATTRS = {
@@ -195,6 +205,7 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False,
     if base is None:
         raise SchedulingError(f"--schedule auto: no {layers!r} module list in this {kind} model")
     prefix = base[: -len(layers)]
+    tp_plan = _with_attention(model.get_submodule(base), layers, tp_plan)
     pp_plan = getattr(config, "base_model_pp_plan", None) or {}
     hf = model if isinstance(model, PreTrainedModel) else None
     embedding_path = _path(model, prefix + next(iter(pp_plan)) if pp_plan else None, "input embedding",
@@ -210,16 +221,21 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False,
         experts += dispatched
     latent = [p for p, m in model.named_modules() if p and is_latent_attention(m)]
     regions: dict[str, list[str]] = {}  # region -> its column-parallel children
-    for pattern, style in tp_plan.items():
-        path = prefix + pattern
+    styles, strides, gathered = megatron_form(model, present, {prefix + p: s for p, s in tp_plan.items()}, config)
+    for path, style in styles.items():
+        pattern = path[len(prefix) :]
         if any(path.startswith(e + ".") for e in experts):  # gate_up_proj, down_proj: the experts' weights
             continue
         if latent and _within(present, path, latent):  # multi-head latent attention: placed below, not by HF's plan
             continue
         if experts and not any(compile_pattern(path).match(p) for p in present):  # an MoE model's layers may all
             continue  # be sparse: its dense MLP's patterns match nothing (elsewhere, apply_plan's error stands)
+        if style in ("colwise", "colwise_gather_output") and not any(compile_pattern(path).match(p) for p in present):
+            raise SchedulingError(f"--schedule auto: {kind} plans {pattern!r} as {style!r}, and no module of this model "
+                                  "has that path (a parameter's placement, which it cannot honour yet, or a module "
+                                  "these layers lack)")  # fmt: skip
         if style == "colwise":
-            plan[path] = _column(model, present, path, config)
+            plan[path] = _column(model, present, path, config, strides.get(path, 1))
             for region in _parents(present, path):
                 regions.setdefault(region, []).append(path.rpartition(".")[2])
         elif style == "rowwise":
@@ -228,6 +244,8 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False,
             plan[path] = PartialGradients()
         elif style == "moe_tp_experts":
             plan.setdefault(path, TensorParallelExperts())  # unless expert-parallel
+        elif style == "colwise_gather_output":  # where megatron_form left it: to the letter
+            plan[path] = gathered_column()
         elif not (style == "embedding_rowwise" and path == embedding_path):  # that one is ours already
             raise SchedulingError(f"--schedule auto: {kind} plans {pattern!r} as {style!r}, which it cannot honour "
                                   f"yet (it follows {', '.join(STYLES)})")  # fmt: skip
@@ -237,6 +255,10 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False,
         attention = core_kind(module) is not None
         region = ParallelRegionInput(sequence_dim=ROWS, fuse=_fusable(module, children))
         plan = {parent: (region, LocalHeadAttrs(config), HeadParallelDropout()) if attention else (region,), **plan}
+        for sub in _scalar_holders(module):  # Apertus' xIELU activation: its slopes scale this rank's features
+            plan.setdefault(f"{parent}.{sub}", PartialGradients())
+    for path, placement in gathered.items():  # after the regions: LocalConfig joins its attention module's entry
+        plan[path] = (*placements_of(plan[path]), placement) if path in plan else placement
     for attention in latent:  # one entry a layer: a hybrid model may give other layers other attention there
         heads = LatentAttentionHeads(sequence_dim=ROWS)
         plan = {attention: (ParallelRegionInput(sequence_dim=ROWS), heads, HeadParallelDropout()), **plan}
@@ -245,6 +267,22 @@ def plan_from_hf(model: nn.Module, config: Any, sequence_parallel: bool = False,
         plan[norm] = SplitAlongSequence(gather_output=True)
     plan[_path(model, "lm_head", "LM head", hf.get_output_embeddings() if hf else None)] = VocabParallelHead()
     return plan
+
+
+def _with_attention(layers: nn.ModuleList, name: str, tp_plan: dict[str, str]) -> dict[str, str]:
+    """``tp_plan``, completed with Llama's attention entries where it names nothing of the layers'
+    attention and that attention has Llama's four projections (GraniteMoE's plan names only its
+    experts): Megatron splits every attention block, and sequence parallelism needs it split."""
+    first = layers[0] if len(layers) else None
+    for child, module in first.named_children() if first is not None else ():
+        projections = [getattr(module, f"{p}_proj", None) for p in "qkvo"]
+        if core_kind(module) is None or not all(type(p) is nn.Linear for p in projections):
+            continue
+        if any(pattern.startswith(f"{name}.*.{child}.") for pattern in tp_plan):
+            continue
+        entries = {f"{name}.*.{child}.{p}_proj": "colwise" for p in "qkv"}
+        tp_plan = {**entries, f"{name}.*.{child}.o_proj": "rowwise", **tp_plan}
+    return tp_plan
 
 
 def _expert_parallel_paths(config: Any, prefix: str) -> list[str]:
@@ -258,9 +296,12 @@ def _expert_parallel_paths(config: Any, prefix: str) -> list[str]:
     return paths
 
 
-def _column(model: nn.Module, present: list[str], pattern: str, config: Any) -> ColumnParallel:
+def _column(model: nn.Module, present: list[str], pattern: str, config: Any, stride: Stride = 1) -> ColumnParallel:
     """A ``colwise`` layer: a key/value projection of grouped-query attention (as wide as the
-    key/value heads, fewer than the query heads) is :class:`KeyValueColumnParallel`."""
+    key/value heads, fewer than the query heads) is :class:`KeyValueColumnParallel`; a packed one
+    is split with its ``stride`` (:mod:`~megatron_slapo.plans.gathered_outputs`)."""
+    if stride != 1:
+        return ColumnParallel(stride=stride, reduce_input_grad=False)
     heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     path = next(p for p in present if compile_pattern(pattern).match(p))
     layer, parent = model.get_submodule(path), model.get_submodule(path.rpartition(".")[0])
@@ -269,6 +310,17 @@ def _column(model: nn.Module, present: list[str], pattern: str, config: Any) -> 
         if getattr(layer, "out_features", None) == kv * head_dim:
             return KeyValueColumnParallel(kv_heads=kv, head_dim=head_dim)
     return ColumnParallel(reduce_input_grad=False)
+
+
+def _scalar_holders(region: nn.Module) -> list[str]:
+    """The activations of a region with learnable single-number parameters (Apertus' xIELU slopes,
+    classes of ``transformers.activations``): an activation runs on the column-parallel layers'
+    split output, so those parameters' gradients are partial sums, reduced over the ranks as
+    Megatron reduces a norm's weights under sequence parallelism. Any other parameter the plan
+    leaves whole in a region stays for ``check_regions`` to refuse by name."""
+    return [path for path, module in region.named_modules()
+            if path and type(module).__module__ == "transformers.activations"
+            and (params := list(module.parameters(recurse=False))) and all(p.numel() == 1 for p in params)]  # fmt: skip
 
 
 def _fusable(module: nn.Module, children: list[str]) -> str:

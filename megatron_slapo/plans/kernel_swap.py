@@ -15,8 +15,10 @@ if TYPE_CHECKING:
 
 
 def swap_in_kernels(sch: Schedule) -> list[str]:
-    """Replace every module under ``sch`` that has a drop-in kernel; return their paths."""
-    swaps = [(path, kernel) for path, node in sch.named_schedules() if (kernel := kernel_for(node.mod)) is not None]
+    """Replace every module under ``sch`` that has a drop-in kernel; return their paths. A module
+    the plan sharded computes its own way already (a split RMSNorm's sum crosses the ranks): kept."""
+    swaps = [(path, kernel) for path, node in sch.named_schedules()
+             if not node.metadata.shards and (kernel := kernel_for(node.mod)) is not None]  # fmt: skip
     for path, kernel in swaps:
         sch[path].replace(kernel)
     return [path for path, _ in swaps]

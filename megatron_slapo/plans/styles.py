@@ -30,6 +30,7 @@ from megatron_slapo.compat.torch_nn import ConvNd
 from megatron_slapo.errors import SchedulingError
 from megatron_slapo.kernels.vocab import VocabParallelLMLoss
 from megatron_slapo.parallel.collectives import reduce_backward
+from megatron_slapo.parallel.layout import Stride
 from megatron_slapo.plans.fusion import fuse_projections
 from megatron_slapo.primitives.placement import feature_axis, linear_axes
 
@@ -51,7 +52,7 @@ def _axes(sch: Schedule) -> tuple[int, int]:
     return axes
 
 
-def _shard_bias(sch: Schedule, stride: int) -> None:
+def _shard_bias(sch: Schedule, stride: Stride) -> None:
     if getattr(sch.mod, "bias", None) is not None:
         sch.shard("bias", axis=0, stride=stride)
 
@@ -66,7 +67,7 @@ class ColumnParallel:
     reduces it once for every layer that reads the same input (q, k and v; gate and up).
     """
 
-    stride: int = 1
+    stride: Stride = 1  # or unequal blocks' relative sizes: (heads, kv_heads, kv_heads) for a packed GQA q|k|v
     gather_output: bool = False
     reduce_input_grad: bool = True
     sequence_parallel: bool = False  # the input is split along the sequence: all-gather it (see sequence.py)

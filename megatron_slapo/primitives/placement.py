@@ -66,6 +66,14 @@ def own_forward(module: nn.Module) -> str | None:
     return owner.__qualname__
 
 
+def scaled_embedding(module: nn.Module) -> bool:
+    """Whether ``module`` is one of HF's scaled word embeddings (Gemma's, Bart's ``*ScaledWordEmbedding``):
+    an Embedding whose forward is the lookup times its ``embed_scale``, which a vocabulary-parallel
+    lookup multiplies by itself (:class:`~megatron_slapo.primitives.sync.VocabParallelForward`)."""
+    return (isinstance(module, nn.Embedding) and type(module).__name__.endswith("ScaledWordEmbedding")
+            and hasattr(module, "embed_scale"))  # fmt: skip
+
+
 def infer_role(module: nn.Module, param_name: str, axis: int) -> Role | None:
     """The role a module takes when ``param_name`` is sharded on ``axis``; ``None`` if unknown."""
     if param_name != "weight":

@@ -20,8 +20,8 @@ from transformers.pytorch_utils import Conv1D
 from megatron_slapo.compat.torch_nn import ConvNd, own_tensor_tables
 from megatron_slapo.metadata import Role, ShardSpec
 from megatron_slapo.module_surgery import set_base_forward
-from megatron_slapo.parallel.layout import shard_slice, sharded_shape
-from megatron_slapo.primitives.placement import infer_role, linear_axes, own_forward
+from megatron_slapo.parallel.layout import Stride, as_stride, block_sizes, relative_sizes, shard_slice, sharded_shape
+from megatron_slapo.primitives.placement import infer_role, linear_axes, own_forward, scaled_embedding
 from megatron_slapo.primitives.registry import primitive
 from megatron_slapo.primitives.sync import RowParallelForward, VocabParallelForward
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
 
-def _sharded_copy(tensor: torch.Tensor, axis: int, stride: int, rank: int, world: int) -> torch.Tensor:
+def _sharded_copy(tensor: torch.Tensor, axis: int, stride: Stride, rank: int, world: int) -> torch.Tensor:
     if tensor.is_meta:
         data = torch.empty(sharded_shape(tensor.shape, axis, world), dtype=tensor.dtype, device="meta")
     else:
@@ -61,31 +61,50 @@ def _update_size_attrs(module: nn.Module, role: Role) -> None:
         module.nf, module.nx = module.weight.size(1), module.weight.size(0)
 
 
+def _divisibility_problem(extent: int, stride: Stride, world: int) -> str | None:
+    """Why an axis of ``extent`` cannot be sharded with ``stride`` over ``world`` ranks (each block
+    must split evenly), or None."""
+    try:
+        blocks = block_sizes(extent, stride)
+    except ValueError:
+        blocks = None
+    if blocks is not None and not any(block % world for block in blocks):
+        return None
+    if isinstance(stride, int):
+        times = f" x stride {stride}" if stride > 1 else ""
+        return f"size {extent} is not divisible by the group size {world}{times}"
+    if blocks is None:
+        return f"size {extent} does not split into blocks of relative sizes {list(stride)} (stride {stride})"
+    return f"stride {stride} cuts its {extent} into blocks of {blocks}, not all divisible by the group size {world}"
+
+
 class ShardMixin:
     @primitive
-    def shard(self: ScheduleNode, param_name: str, axis: int, *, stride: int = 1) -> None:
+    def shard(self: ScheduleNode, param_name: str, axis: int, *, stride: Stride = 1) -> None:
         """Keep this rank's slice of a parameter or buffer along ``axis`` (tensor parallelism).
 
         ``stride`` > 1 shards each of ``stride`` equal blocks of the axis separately (a fused
-        q|k|v weight uses 3). Tied parameters are sharded together.
+        q|k|v weight uses 3); a tuple shards blocks of those relative sizes separately (a packed
+        q|k|v with grouped-query attention: ``(heads, kv_heads, kv_heads)``). Each rank holds its
+        piece of every block, in block order (:mod:`megatron_slapo.parallel.layout`). Tied
+        parameters are sharded together.
         """
         tensor = self._tensor(param_name)
         if not -tensor.dim() <= axis < tensor.dim():
             raise self._error(f"axis {axis} is out of range for {param_name!r} of shape {tuple(tensor.shape)}")
         axis %= tensor.dim()
-        if stride < 1:
-            raise self._error(f"stride must be >= 1, got {stride}")
+        try:
+            stride = as_stride(stride)
+        except ValueError as e:
+            raise self._error(str(e)) from None
         existing = self.metadata.shards.get(param_name)
         if existing is not None:
             self._reshard_tied(param_name, existing, axis, stride)
             return
         world = self.world_size
-        if tensor.size(axis) % (world * stride):
-            raise self._error(
-                f"cannot shard {param_name!r} of shape {tuple(tensor.shape)} on axis {axis}: size "
-                f"{tensor.size(axis)} is not divisible by the group size {world}"
-                + (f" x stride {stride}" if stride > 1 else "")
-            )
+        problem = _divisibility_problem(tensor.size(axis), stride, world)
+        if problem:
+            raise self._error(f"cannot shard {param_name!r} of shape {tuple(tensor.shape)} on axis {axis}: {problem}")
         holders = [
             (node, name)
             for _, node in self.root.named_schedules()
@@ -103,10 +122,10 @@ class ShardMixin:
             node.metadata.shards[name] = ShardSpec(axis, stride, tensor.shape, explicit)
             node._after_shard(name, axis)
 
-    def _reshard_tied(self: ScheduleNode, param_name: str, existing: ShardSpec, axis: int, stride: int) -> None:
+    def _reshard_tied(self: ScheduleNode, param_name: str, existing: ShardSpec, axis: int, stride: Stride) -> None:
         if existing.explicit:
             raise self._error(f"{param_name!r} is already sharded (axis {existing.axis}); shard() applies once")
-        if (existing.axis, existing.stride) != (axis, stride):
+        if (existing.axis, relative_sizes(existing.stride)) != (axis, relative_sizes(stride)):
             raise self._error(
                 f"{param_name!r} is tied to a parameter already sharded on axis {existing.axis} "
                 f"(stride {existing.stride}); it cannot also be sharded on axis {axis} (stride {stride})"
@@ -140,7 +159,7 @@ def _forward_rewrite_problem(node: ScheduleNode, param_name: str, axis: int) -> 
     if not rewrites:
         return None
     overrider = own_forward(mod)
-    if overrider is not None:
+    if overrider is not None and not (role is Role.VOCAB and scaled_embedding(mod)):
         how = (
             "a vocabulary-parallel embedding must look up only this rank's rows"
             if role is Role.VOCAB

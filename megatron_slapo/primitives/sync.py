@@ -25,6 +25,7 @@ from megatron_slapo.kernels.vocab import vocab_parallel_embedding
 from megatron_slapo.metadata import Role
 from megatron_slapo.module_surgery import base_forward
 from megatron_slapo.parallel import collectives as C
+from megatron_slapo.parallel.layout import block_count
 from megatron_slapo.primitives.placement import check_sync, feature_axis, own_forward
 from megatron_slapo.primitives.registry import primitive
 
@@ -120,6 +121,9 @@ class VocabParallelForward:
 
     def __call__(self, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         out = vocab_parallel_embedding(ids, module.weight, self.group, module.padding_idx)
+        scale = getattr(module, "embed_scale", None)  # a scaled word embedding's (placement.scaled_embedding)
+        if scale is not None:
+            out = out * (scale.to(module.weight.dtype) if isinstance(scale, torch.Tensor) else scale)
         for reduce in self.reductions:
             out = reduce(out, fresh=True)
         return out
@@ -225,7 +229,8 @@ class SyncMixin:
                 raise self._error(f"unknown sync op {sync_op_or_fn!r}; expected one of {OPS} or a callable")
             problem = check_sync(self.metadata.role, mode, sync_op_or_fn, axis, feature_axis(self.mod))
             weight = self.metadata.shards.get("weight")
-            if not problem and sync_op_or_fn == "all_gather" and mode == "fwd_post" and weight and weight.stride > 1:
+            strided = weight is not None and block_count(weight.stride) > 1
+            if not problem and sync_op_or_fn == "all_gather" and mode == "fwd_post" and strided:
                 problem = f"the weight is sharded with stride {weight.stride}: gathering would interleave its blocks"
             if problem:
                 raise self._error(f"invalid sync({mode!r}, {sync_op_or_fn!r}): {problem}")

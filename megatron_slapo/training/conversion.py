@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from megatron_slapo.engines.sharded_state import EngineState, Fill, whole
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.models import MODEL_CLASSES
-from megatron_slapo.parallel.layout import unshard
+from megatron_slapo.parallel.layout import as_stride, unshard
 from megatron_slapo.training import checkpoint_integrity as integrity
 from megatron_slapo.training import checkpointing, dist_checkpoint
 from megatron_slapo.training.checkpoint_files import LATEST, Resume, committed_dir, latest_iteration, saved_iterations
@@ -154,8 +154,8 @@ def _unsharded(states: list[dict]) -> dict[str, torch.Tensor]:
     out = {}
     for name, tensor in states[0]["model"].items():
         if name in shards:
-            dim, stride = shards[name]
-            tensor = unshard([s["model"][name] for s in states], dim, stride)
+            dim, stride = shards[name]  # a tuple stride may have been stored as a list
+            tensor = unshard([s["model"][name] for s in states], dim, as_stride(stride))
         out[name] = tensor.contiguous()
     return out
 

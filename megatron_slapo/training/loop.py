@@ -61,11 +61,11 @@ from megatron_slapo.training.model import (
 from megatron_slapo.training.moe_loss import load_balancing_loss
 from megatron_slapo.training.output_paths import check_output_dir
 from megatron_slapo.training.reporting import Reporter, log_engine_memory, tensorboard_dir
-from megatron_slapo.training.settings import RunSettings, resolve_settings
+from megatron_slapo.training.settings import RunSettings, check_schedule, resolve_settings
 from megatron_slapo.training.tasks import BERTTask, GPTTask, LanguageData, T5Task, VisionTask
 from megatron_slapo.training.trainer_args import print_arguments
 from megatron_slapo.training.validation import validate_args
-from schedules import check_fits, describe, get_schedule
+from schedules import describe, get_schedule
 
 
 class TrainingStopped(RuntimeError):
@@ -183,7 +183,7 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     if not settings.schedule_given:  # the dump shows the schedule, not that the model type and TP chose it
         print_rank_0(f" > schedule: {settings.schedule} ({settings.schedule_reason})")
     schedule = get_schedule(settings.schedule)
-    check_fits(settings.schedule, config.model_type)
+    check_schedule(args, settings, config)  # an unverified family is refused here when it needs splitting
     checkpoint = None  # read and checked before anything is built (a collective: every rank, when --load is given)
     if args.load and simulate_rank is None:
         checkpoint = checkpointing.read_checked(args, layout, resume_path, config.num_hidden_layers)

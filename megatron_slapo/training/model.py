@@ -26,13 +26,9 @@ from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels import attention
 from megatron_slapo.models.wideresnet import WideResNetConfig
 from megatron_slapo.training import pretrained
+from megatron_slapo.training.config_from_flags import config_from_flags
 from megatron_slapo.training.validation import default_model_type
-
-# --model-type -> HF config class (the model class follows from the task, see auto_class)
-CONFIGS = {
-    "gpt2": "GPT2Config", "gpt_neo": "GPTNeoConfig", "opt": "OPTConfig", "llama": "LlamaConfig",
-    "bert": "BertConfig", "roberta": "RobertaConfig", "albert": "AlbertConfig", "t5": "T5Config",
-}  # fmt: skip
+from megatron_slapo.training.widths import Derived, check_divisible
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
@@ -46,138 +42,6 @@ def hf_vocab_size(model_vocab: int, tokenizer_vocab: int, divisible_by: int, ten
     the tokenizer's padded vocabulary and split evenly across TP, else Megatron's padding of them."""
     size = max(model_vocab, padded_vocab_size(tokenizer_vocab, divisible_by, tensor_parallel))
     return size if size % tensor_parallel == 0 else padded_vocab_size(size, divisible_by, tensor_parallel)
-
-
-def _from_flags(args: argparse.Namespace, vocab: int, tokenizer: Any) -> transformers.PretrainedConfig:
-    """The config Megatron's size flags describe (validate_args has checked that they are given and fit)."""
-    L, h, a, s = args.num_layers, args.hidden_size, args.num_attention_heads, args.max_position_embeddings
-    ffn = args.ffn_hidden_size or 4 * h
-    hd, ad, std = args.hidden_dropout, args.attention_dropout, args.init_method_std
-    eod = getattr(tokenizer, "eod", None)
-    kind = args.model_type
-    if kind not in CONFIGS:
-        return _scaled_down(kind, args, vocab, ffn, eod)
-    cls = getattr(transformers, CONFIGS[kind])
-    if kind == "gpt2":
-        return cls(vocab_size=vocab, n_positions=s, n_embd=h, n_layer=L, n_head=a, n_inner=ffn, resid_pdrop=hd,
-                   embd_pdrop=hd, attn_pdrop=ad, initializer_range=std, bos_token_id=eod, eos_token_id=eod)  # fmt: skip
-    if kind == "gpt_neo":
-        return cls(vocab_size=vocab, max_position_embeddings=s, hidden_size=h, num_layers=L, num_heads=a,
-                   intermediate_size=ffn, attention_types=[[["global"], L]], resid_dropout=hd, embed_dropout=hd,
-                   attention_dropout=ad, initializer_range=std, bos_token_id=eod, eos_token_id=eod)  # fmt: skip
-    if kind == "opt":
-        return cls(vocab_size=vocab, max_position_embeddings=s, hidden_size=h, num_hidden_layers=L, ffn_dim=ffn,
-                   num_attention_heads=a, word_embed_proj_dim=h, dropout=hd, attention_dropout=ad, init_std=std,
-                   bos_token_id=eod, eos_token_id=eod, pad_token_id=eod)  # fmt: skip
-    if kind == "llama":
-        return cls(vocab_size=vocab, max_position_embeddings=s, hidden_size=h, num_hidden_layers=L,
-                   intermediate_size=args.ffn_hidden_size or int(8 * h / 3 / 64 + 1) * 64, num_attention_heads=a,
-                   num_key_value_heads=args.num_query_groups or a, attention_dropout=ad, initializer_range=std,
-                   bos_token_id=eod, eos_token_id=eod, tie_word_embeddings=False)  # fmt: skip
-    if kind == "t5":  # T5 v1.0's shape (ReLU FFN, tied head), as Megatron's T5; the decoder as deep as the encoder
-        return cls(vocab_size=vocab, d_model=h, d_kv=h // a, d_ff=ffn, num_layers=L, num_decoder_layers=L, num_heads=a,
-                   dropout_rate=hd, feed_forward_proj="relu", tie_word_embeddings=True, pad_token_id=tokenizer.pad,
-                   eos_token_id=tokenizer.eos, decoder_start_token_id=tokenizer.bos)  # fmt: skip
-    common = dict(vocab_size=vocab, hidden_size=h, num_hidden_layers=L, num_attention_heads=a, intermediate_size=ffn,
-                  max_position_embeddings=s, hidden_dropout_prob=hd, attention_probs_dropout_prob=ad,
-                  initializer_range=std, pad_token_id=getattr(tokenizer, "pad", 0))  # fmt: skip
-    if kind == "albert":
-        common["embedding_size"] = min(128, h)
-    if kind == "roberta":
-        common["max_position_embeddings"] = s + 2  # RoBERTa offsets positions by padding_idx + 1
-    return cls(**common)
-
-
-def _scaled_down(
-    kind: str, args: argparse.Namespace, vocab: int, ffn: int, eod: int | None
-) -> transformers.PretrainedConfig:
-    """Any other transformers model type: its config class's defaults, with the size flags in its
-    standard fields (``hidden_size``, ``num_hidden_layers``, ... or their aliases), and the optional
-    ones (FFN width, key/value heads, dropout, init) where it has them. No padding id: the
-    end-of-document token must keep its embedding's gradient."""
-    cls = transformers.CONFIG_MAPPING[kind]
-    default = cls()
-    if getattr(default, "sub_configs", None):
-        raise ConfigError(f"--model-type {kind} is a composite model ({', '.join(default.sub_configs)}): give its "
-                          "text model's type, or --hf-config")  # fmt: skip
-    sizes = dict(
-        vocab_size=vocab,
-        hidden_size=args.hidden_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=args.num_attention_heads,
-        max_position_embeddings=args.max_position_embeddings,
-    )
-    missing = [k for k in sizes if not hasattr(default, k)]  # attribute_map aliases count
-    if missing:
-        raise ConfigError(f"--model-type {kind}: its config has no {', '.join(missing)} to take the size flags; "
-                          "give --hf-config instead")  # fmt: skip
-    optional = dict(intermediate_size=ffn, num_key_value_heads=args.num_query_groups or args.num_attention_heads,
-                    attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-                    initializer_range=args.init_method_std, bos_token_id=eod, eos_token_id=eod)  # fmt: skip
-    config = cls(**sizes, **{k: v for k, v in optional.items() if hasattr(default, k)})
-    if getattr(config, "pad_token_id", None) is not None:  # a default's id may even lie beyond the vocabulary
-        config.pad_token_id = None
-    if getattr(config, "head_dim", None) and not getattr(config, "qk_rope_head_dim", None):
-        # derived from the width, not the default's (multi-head latent attention's head_dim is its rotary part)
-        config.head_dim = args.hidden_size // args.num_attention_heads
-    _set_experts(config, default, args, ffn)
-    return config
-
-
-# Megatron's MoE flags -> the config fields (or attribute_map aliases) that families name them by
-_MOE_FIELDS = {
-    "num_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
-    "moe_router_topk": ("num_experts_per_tok",),
-    "moe_ffn_hidden_size": ("moe_intermediate_size",),
-    "moe_shared_expert_intermediate_size": ("shared_expert_intermediate_size",),
-}
-
-
-def _field(config: transformers.PretrainedConfig, flag: str) -> str | None:
-    return next((f for f in _MOE_FIELDS[flag] if hasattr(config, f)), None)
-
-
-def _set_experts(
-    config: transformers.PretrainedConfig, default: transformers.PretrainedConfig, args: argparse.Namespace, ffn: int
-) -> None:
-    """The MoE flags into an MoE family's config. The family's expert count is sized for its full
-    model, so ``--num-experts`` is required (Megatron's models have none without it); top-k is the
-    family's (at most the experts), and the experts' widths are ``--ffn-hidden-size`` scaled as the
-    family scales them. A flag a family has no field for is refused rather than ignored."""
-    count = _field(config, "num_experts")
-    for flag in _MOE_FIELDS:
-        if getattr(args, flag) is not None and _field(config, flag) is None:
-            hint = " (its experts are --ffn-hidden-size wide)" if count and flag == "moe_ffn_hidden_size" else ""
-            raise ConfigError(f"--{flag.replace('_', '-')}: the {config.model_type} config has no "
-                              f"{' or '.join(_MOE_FIELDS[flag])} to take it{hint}")  # fmt: skip
-    if count is None:
-        return
-    if args.num_experts is None:
-        raise ConfigError(f"--model-type {config.model_type} is a mixture of experts: give --num-experts (the "
-                          f"family's {getattr(config, count)} are sized for its full model)")  # fmt: skip
-    family_ffn = getattr(default, "intermediate_size", None)
-    family_top_k = getattr(config, "num_experts_per_tok", 1)
-    if args.moe_router_topk is None and family_top_k is None:
-        raise ConfigError(f"--model-type {config.model_type} has no default number of experts per token: give "
-                          "--moe-router-topk")  # fmt: skip
-    top_k = args.moe_router_topk or min(family_top_k, args.num_experts)
-    if top_k > args.num_experts:
-        raise ConfigError(f"--moe-router-topk {top_k} exceeds --num-experts {args.num_experts}")
-    groups = getattr(config, "n_group", None)
-    if groups and (args.num_experts % groups or args.num_experts // groups < 2):
-        raise ConfigError(f"--num-experts {args.num_experts}: {config.model_type} routes within {groups} groups of "
-                          f"experts (n_group), each of 2 or more: give a multiple of {2 * groups}, or --hf-config")  # fmt: skip
-    if hasattr(config, "n_shared_experts") and config.n_shared_experts is None:
-        raise ConfigError(f"--model-type {config.model_type}: its config's default has no shared-expert count "
-                          "(n_shared_experts) to build from the size flags; give --hf-config")  # fmt: skip
-    setattr(config, count, args.num_experts)
-    config.num_experts_per_tok = top_k
-    for flag, given in (("moe_ffn_hidden_size", args.moe_ffn_hidden_size),
-                        ("moe_shared_expert_intermediate_size", args.moe_shared_expert_intermediate_size)):  # fmt: skip
-        field = _field(config, flag)
-        if field is not None:
-            scaled = ffn * getattr(default, field) // family_ffn if family_ffn else ffn
-            setattr(config, field, given or max(1, scaled))
 
 
 @dataclass(frozen=True)
@@ -220,16 +84,17 @@ def build_config(
     _check_read(args, hf_config)
     tp = args.tensor_model_parallel_size
     padded = vocabulary(args, tokenizer, hf_config).padded_size
+    derived: dict[str, Derived] = {}  # an HF config's widths are its own
     if hf_config is not None:
         config = copy.deepcopy(hf_config)
         config.vocab_size = padded
     else:
         try:
-            config = _from_flags(args, padded, tokenizer)
+            config, derived = config_from_flags(args, padded, tokenizer)
         except StrictDataclassError as e:  # transformers' own checks of a config's fields
             raise ConfigError(f"--model-type {args.model_type}: transformers refuses a config of the size flags: "
                               f"{' '.join(str(e).split())}") from e  # fmt: skip
-    check_divisible(config, tp, shared_kv_heads=shared_kv_heads)
+    check_divisible(config, tp, shared_kv_heads=shared_kv_heads, derived=derived)
     if args.seq_length and args.seq_length > getattr(config, "max_position_embeddings", args.seq_length):
         raise ConfigError(
             f"--seq-length {args.seq_length} exceeds the model's {config.max_position_embeddings} positions"
@@ -313,27 +178,6 @@ def read_hf_config(args: argparse.Namespace) -> transformers.PretrainedConfig | 
     if args.load_hf:
         pretrained.check_weights(where, source)
     return config
-
-
-def check_divisible(config: transformers.PretrainedConfig, tp: int, shared_kv_heads: bool = False) -> None:
-    """Heads, key/value heads and FFN widths (the experts' too) must split evenly across the TP ranks;
-    with ``shared_kv_heads`` (``--schedule auto``) the TP size may instead be a multiple of the
-    key/value heads, each then shared by several ranks, as Megatron allows."""
-    sizes = {
-        "attention heads": getattr(config, "num_attention_heads", None) or getattr(config, "num_heads", None),
-        "key/value heads": getattr(config, "num_key_value_heads", None),
-        "FFN hidden size": getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
-        or getattr(config, "ffn_dim", None) or getattr(config, "d_ff", None),
-        "experts' FFN hidden size": getattr(config, "moe_intermediate_size", None),
-        "shared experts' FFN hidden size": getattr(config, "shared_expert_intermediate_size", None),
-    }  # fmt: skip
-    kv = sizes["key/value heads"]
-    if shared_kv_heads and kv and tp % kv == 0:
-        del sizes["key/value heads"]
-    for what, size in sizes.items():
-        if size and size % tp:
-            also = " (nor is it a multiple of them)" if shared_kv_heads and what == "key/value heads" else ""
-            raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the {size} {what}{also}")
 
 
 def auto_class(task: str, bert_binary_head: bool = False) -> type:

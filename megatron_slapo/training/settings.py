@@ -5,7 +5,8 @@ Several flags decide these together, and an HF config may override a flag's defa
 defaults to the schedule for that type and ``--tensor-model-parallel-size``, ``--seq-length`` to the model's positions.
 :func:`resolve_settings` decides them right after argument validation (``training/loop.py``'s
 ``prepare``); everything after reads the frozen :class:`RunSettings`, and the arguments stay as
-validation left them.
+validation left them. Once the model's config is built, :func:`check_schedule` checks that the
+schedule fits it, and refuses a family no schedule is verified on where the layout needs one.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import Any
 
 import transformers
 
-from megatron_slapo.training.model import read_hf_config
-from schedules import default_for, get_schedule
+from megatron_slapo.errors import ConfigError
+from megatron_slapo.training.model import create_model, read_hf_config
+from schedules import check_fits, default_for, get_schedule, verified, written_for_others
+from schedules.refusal import unverified_message, what_stops_auto
 
 
 @dataclass(frozen=True)
@@ -70,3 +73,22 @@ def resolve_settings(args: argparse.Namespace) -> tuple[RunSettings, transformer
         seq_length = hf_config.max_position_embeddings  # T5 has no positions: validation requires --seq-length
     settings = RunSettings(args.task, model_type, source, schedule, args.schedule is not None, seq_length, tp)
     return settings, hf_config
+
+
+def check_schedule(args: argparse.Namespace, settings: RunSettings, config: transformers.PretrainedConfig) -> None:
+    """The run's schedule fits its model (:func:`schedules.check_fits`), and a family that no schedule
+    is verified on is refused where the layout needs its model split (tensor or expert parallelism,
+    or ``--schedule auto`` named), with what stops ``auto`` on it, from auto's own checks on a
+    model built on the meta device for the purpose (:mod:`schedules.refusal`). Before the data, the
+    checkpoint or the run's model are read or built: the process groups must exist."""
+    sizes = (("tensor", args.tensor_model_parallel_size), ("expert", getattr(args, "expert_model_parallel_size", 1)))
+    needs = next((f"--{kind}-model-parallel-size {size}" for kind, size in sizes if size > 1), None)
+    if needs is None and settings.schedule_given and settings.schedule == "auto":
+        needs = "--schedule auto"
+    if needs is not None and not verified(config.model_type):
+        on_meta = argparse.Namespace(**{**vars(args), "load_hf": None})  # without --load-hf's weights
+        why = what_stops_auto(create_model(on_meta, settings.task, config), args)
+        other = written_for_others(settings.schedule, config.model_type) if settings.schedule != "auto" else None
+        message = unverified_message(config.model_type, needs, why, args)
+        raise ConfigError(f"{other}, and {message}" if other else message)
+    check_fits(settings.schedule, config.model_type)

@@ -22,6 +22,7 @@ FAMILY_SIZES = {
     "deepseek_v3": dict(LATENT, q_lora_rank=24, n_group=2, topk_group=1),
     "deepseek_v2": dict(LATENT, q_lora_rank=None),
     "dots1": dict(n_shared_experts=1, first_k_dense_replace=1),
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),  # its hybrid layers, one of each
 }
 
 

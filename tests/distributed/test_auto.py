@@ -2,17 +2,22 @@
 (Verify: outputs and every gradient), with and without sequence parallelism."""
 
 import argparse
+import copy
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import transformers
+from torch import nn
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+from transformers.models.olmoe.modeling_olmoe import OlmoeRMSNorm
 
 import megatron_slapo as ms
 from megatron_slapo.errors import SchedulingError
 from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.parallel.collectives import gather_tensor
+from megatron_slapo.plans.gathered_outputs import SplitRMSNorm
 from megatron_slapo.plans.hf_plan import NO_SEQUENCE_PARALLEL
 from megatron_slapo.plans.sequence import split_layers
 from schedules import auto, llama_tp
@@ -121,11 +126,50 @@ def test_a_parameter_the_plan_leaves_replicated_in_a_region_is_refused(group):
         auto.apply(ms.create_schedule(model, group), config)
 
 
-def test_a_style_auto_cannot_honour_is_one_error_naming_it(group):
-    config = tiny("phi3")
+@pytest.mark.parametrize("family, refusal", [
+    ("inkling2_text", r"plans 'embed_tokens' as 'replicate', which it cannot honour yet"),
+    ("granite_swa", r"plans 'layers.\*.self_attn.sinks' as 'colwise', and no module of this model has that path"),
+])  # fmt: skip
+def test_a_style_auto_cannot_honour_is_one_error_naming_it(group, family, refusal):
+    config = tiny(family)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    with pytest.raises(SchedulingError, match=r"plans 'layers.\*.self_attn.qkv_proj' as 'colwise_gather_output'"):
+    with pytest.raises(SchedulingError, match=refusal):
+        auto.apply(ms.create_schedule(model, group), config)
+
+
+@pytest.mark.parametrize("family", ["olmo2", "phi3", "glm4"])
+def test_gathered_projections_are_split_as_megatron_splits_them(group, family):
+    """Where HF's plan gathers q/k/v or gate|up whole (colwise_gather_output), the block is split by
+    heads and features instead: one input-gradient all-reduce per block and one output all-reduce,
+    packed projections strided (each rank its heads' q, k and v; its features' gate and up), OLMo 2's
+    q/k norms over all heads split with them; nothing gathered."""
+    config = tiny(family)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    sch = ms.create_schedule(model, group)
+    auto.apply(sch, config)
+    syncs = {path.removeprefix("model.layers.0."): node.metadata.syncs for path, node in sch.named_schedules()
+             if path.startswith("model.layers.0.") and node.metadata.syncs}  # fmt: skip
+    assert syncs == {"self_attn": {("bwd_post", "all_reduce")}, "self_attn.o_proj": {("fwd_post", "all_reduce")},
+                     "mlp": {("bwd_post", "all_reduce")}, "mlp.down_proj": {("fwd_post", "all_reduce")}}  # fmt: skip
+    shards = {path.removeprefix("model.layers.0."): {n: spec.stride for n, spec in node.metadata.shards.items()}
+              for path, node in sch.named_schedules() if path.startswith("model.layers.0.") and node.metadata.shards}  # fmt: skip
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    expected = {"olmo2": {"self_attn.q_norm": {"weight": 1}, "self_attn.k_norm": {"weight": 1}},
+                "phi3": {"self_attn.qkv_proj": {"weight": (heads, kv, kv)}, "mlp.gate_up_proj": {"weight": 2}},
+                "glm4": {"mlp.gate_up_proj": {"weight": 2}}}[family]  # fmt: skip
+    assert {path: shards[path] for path in expected} == expected, shards
+
+
+def test_a_full_width_norm_over_key_value_heads_the_ranks_share_is_refused(group):
+    """OLMo 2's k_norm spans every key/value head: with one head for two ranks (each computing it
+    whole) no split of the norm gives each rank whole heads."""
+    config = tiny("olmo2")
+    config.num_key_value_heads = 1
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(SchedulingError, match=r"k_norm\] it normalises 1 heads together, which the tensor-parallel"):
         auto.apply(ms.create_schedule(model, group), config)
 
 
@@ -172,7 +216,17 @@ def test_latent_attention_with_heads_the_tp_size_does_not_divide_is_one_error(gr
 TRAINED = ["qwen3", "mistral", "starcoder2", "gpt_neox", "granite", "llama", "qwen2", "exaone4", "olmo", "phi",
            "nemotron", "smollm3", "mixtral", "qwen3_moe", "glm4_moe"]  # fmt: skip
 PIPELINED = ["qwen3", "mistral", "starcoder2", "gpt_neox", "granite", "qwen3_moe"]
-EXPERTS = {"mixtral": [], "qwen3_moe": ["--moe-ffn-hidden-size", "32"], "glm4_moe": ["--moe-ffn-hidden-size", "32"]}
+# The families issue 27 added, trained in the slow tier (Verify checks each in the default one): Gemma's scaled
+# embedding (and Gemma 2's capped logits), Phi-3's packed q|k|v and gate|up (strided), OLMo 2/3's and OLMoE's
+# q/k norms over all heads (split, their sums of squares all-reduced), GLM-4's packed gate|up, Apertus'
+# learnable activation, GraniteMoE's attention (its plan names only the experts), Qwen3-Next's linear
+# attention (its plan's gathered outputs, to the letter; no sequence parallelism: a recurrent state)
+ADDED = ["gemma", "gemma2", "gemma3_text", "vaultgemma", "phi3", "olmo2", "olmo3", "glm4", "apertus", "ministral3",
+         "granitemoe", "olmoe", "qwen3_next"]  # fmt: skip
+EXPERTS = {"mixtral": [], "qwen3_moe": ["--moe-ffn-hidden-size", "32"], "glm4_moe": ["--moe-ffn-hidden-size", "32"],
+           "granitemoe": ["--ffn-hidden-size", "32"], "olmoe": ["--ffn-hidden-size", "32"],  # experts as wide as the FFN
+           # 4 layers: the first full-attention layer is the 4th (HF's cache needs one); the shared expert's width
+           "qwen3_next": ["--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "32", "--num-layers", "4"]}  # fmt: skip
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
 # Shaped by tiny()'s config (--hf-config), which the size flags cannot give: DeepSeek-V3 (multi-head latent
 # attention with a query rank, grouped top-k, a dense first layer, shared experts), DeepSeek-V2 (MLA without
@@ -180,9 +234,10 @@ TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-si
 CONFIGURED = list(FAMILY_SIZES)
 # (layout, world sizes, flags, families); "-kv1": one key/value head, shared by the 2 ranks (multi-query
 # attention); at TP4 the 2 key/value heads are each shared by 2 ranks
-LAYOUTS = [("tp2", (2,), TP2, [*TRAINED, *CONFIGURED, "llama-kv1", "qwen3_moe-kv1"]),
-           ("tp2-sp", (2,), [*TP2, "--sequence-parallel"], ["deepseek_v3"]),
-           ("tp2-pp2", (4,), [*TP2, *PP2], PIPELINED), ("tp4", (4,), ["--tensor-model-parallel-size", "4"], ["llama"])]  # fmt: skip
+LAYOUTS = [("tp2", (2,), TP2, [*TRAINED, *CONFIGURED, *ADDED, "llama-kv1", "qwen3_moe-kv1"]),
+           ("tp2-sp", (2,), [*TP2, "--sequence-parallel"], ["deepseek_v3", *(f for f in ADDED if f != "qwen3_next")]),
+           ("tp2-pp2", (4,), [*TP2, *PP2], [*PIPELINED, "gemma3_text", "phi3"]),
+           ("tp4", (4,), ["--tensor-model-parallel-size", "4"], ["llama"])]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -193,14 +248,16 @@ def configs(shared_tmp):
 
 @pytest.fixture(scope="module")
 def reference(shared_tmp, cache, configs):
-    """One process's losses per family: those this world size trains, run in one process."""
-    here = [family for _, sizes, _, families in LAYOUTS if dist.get_world_size() in sizes for family in families
-            if family not in CONFIGURED]  # the slow tier's: each run alone when asked for  # fmt: skip
+    """One process's losses per family: those this world size trains, run in one process (the
+    default tier's together, the slow tier's ADDED families together; CONFIGURED ones each alone)."""
+    here = [family for _, sizes, _, families in LAYOUTS if dist.get_world_size() in sizes for family in families]
 
     def run(family: str) -> tuple[str, list[str]]:
         return "gpt", [*_trained(family, configs), "--data-cache-path", cache]
 
-    return reference_losses(shared_tmp, run, here)
+    default = reference_losses(shared_tmp, run, [f for f in here if f not in (*CONFIGURED, *ADDED)])
+    added = reference_losses(shared_tmp, run, [f for f in here if f in ADDED])
+    return lambda family: (added if family in ADDED else default)(family)
 
 
 def _trained(case: str, configs: str) -> list[str]:
@@ -214,9 +271,9 @@ def _trained(case: str, configs: str) -> list[str]:
 
 
 def _case(family: str, name: str, sizes: tuple, flags: list[str]) -> pytest.param:
-    """A parity case; the CONFIGURED families' in the slow tier (Verify checks them in the default one)."""
+    """A parity case; the CONFIGURED and ADDED families' in the slow tier (Verify checks them in the default one)."""
     case = layout_case(family, name, sizes, flags)
-    slow = [pytest.mark.slow] if family in CONFIGURED else []
+    slow = [pytest.mark.slow] if family in (*CONFIGURED, *ADDED) else []
     return pytest.param(*case.values, id=case.id, marks=[*case.marks, *slow])
 
 
@@ -224,8 +281,33 @@ def _case(family: str, name: str, sizes: tuple, flags: list[str]) -> pytest.para
                                            for name, sizes, flags, families in LAYOUTS for f in families])  # fmt: skip
 def test_auto_trains_as_one_process(family, flags, reference, configs, shared_tmp, cache, request):
     """pretrain_gpt.py --model-type FAMILY (or --hf-config, CONFIGURED) --schedule auto: 10 fp32 steps
-    at TP2 (DeepSeek-V3 with --sequence-parallel too), at TP2 x PP2 (the pipeline cut through the
-    traced model) and with key/value heads shared by ranks give one process's losses."""
+    at TP2 (DeepSeek-V3 and the ADDED families with --sequence-parallel too), at TP2 x PP2 (the pipeline
+    cut through the traced model) and with key/value heads shared by ranks give one process's losses."""
     tb = os.path.join(shared_tmp, f"tb-auto-{request.node.callspec.id}")
     losses = train_losses("gpt", [*_trained(family, configs), *flags, "--data-cache-path", cache], tb)
     assert_parity(losses, reference(family), 1e-5)
+
+
+@pytest.mark.parametrize("norm_class", [Olmo2RMSNorm, OlmoeRMSNorm], ids=["cast-last", "cast-first"])
+def test_a_split_rms_norm_computes_the_whole_norm_in_bf16(group, rank, norm_class):
+    """A q norm over all heads' width split over the ranks (its sum of squares all-reduced) gives this
+    rank's part of the whole norm's output, in bf16 too: each family's norm casts back to bf16 where
+    it does (OLMo 2 after the weight, OLMoE before it), so the two round alike; and the gradients
+    of the input and of this rank's weights are the whole norm's parts."""
+    torch.manual_seed(0)
+    whole = norm_class(64).to(torch.bfloat16)
+    with torch.no_grad():
+        whole.weight.normal_()
+    split = copy.deepcopy(whole)
+    sch = ms.create_schedule(nn.Sequential(split), group)
+    SplitRMSNorm(heads=4, cast_first=norm_class is OlmoeRMSNorm).apply(sch["0"])
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16, requires_grad=True)
+    part = slice(rank * 32, (rank + 1) * 32)
+    mine = x.detach()[..., part].clone().requires_grad_()
+    out, expected = split(mine), whole(x)
+    assert torch.equal(out, expected[..., part]), (out.float() - expected[..., part].float()).abs().max()
+    grad = torch.randn_like(expected)
+    expected.backward(grad)
+    out.backward(grad[..., part])
+    torch.testing.assert_close(mine.grad, x.grad[..., part], rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(split.weight.grad, whole.weight.grad[part], rtol=1e-2, atol=1e-2)

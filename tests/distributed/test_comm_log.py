@@ -47,9 +47,15 @@ SCHEDULES = {  # schedule (and a variant after "-") -> (task, flags)
     "llama_tp": ("gpt", ["--model-type", "llama", "--num-query-groups", "2"]),
     "auto": ("gpt", ["--model-type", "llama", "--num-query-groups", "2"]),  # what llama_tp moves, from HF's plan
     "auto-qwen3_moe": ("gpt", MOE),
+    # Gemma 3 (per-head q/k norms, a scaled embedding), Phi-3 (packed q|k|v and gate|up), OLMo 2 (q/k norms
+    # over all heads, split)
+    **{f"auto-{f}": ("gpt", ["--model-type", f, "--num-query-groups", "2"]) for f in ("gemma3_text", "phi3", "olmo2")},
     "bert_tp": ("bert", []),
 }
 TOPK, EXPERTS, HEAD_DIM = 2, 4, 64 // 4  # MOE's; TINY's hidden size over its heads
+HEAD_NORMS = ("auto-qwen3_moe", "auto-gemma3_text")  # per-head q/k norms: their weights' gradients are partial sums
+# OLMo 2's q/k norms span all heads: each all-reduces its b·s sums of squares forward, and their gradient backward
+SPLIT_NORM_SUMS = {"auto-olmo2": 2 * 2}  # per layer, in b·s numbers
 
 
 @pytest.mark.parametrize("case", SCHEDULES)
@@ -66,8 +72,11 @@ def test_tp2_bytes_per_step_equal_megatrons_count(case, shared_tmp, cache):
     gradient is whole and the reduction sits on the experts' inputs), plus, backward, the gradient
     of the routing weights the experts were called with (b·s·k: each rank's experts see their part
     of the features only, so the gradient of the weight that scales their output is a partial sum).
-    Qwen3's per-head q/k norms see only this rank's heads: their weights' gradients (head_dim each)
-    are partial sums, all-reduced once a step."""
+    Qwen3's (and Gemma 3's) per-head q/k norms see only this rank's heads: their weights' gradients
+    (head_dim each) are partial sums, all-reduced once a step. OLMo 2's q/k norms span all heads:
+    split with them, each all-reduces its b·s sums of squares forward and their gradient backward
+    (Megatron's placement, where HF's plan gathers q, k and v). Phi-3's packed projections move
+    nothing more than Llama's separate ones."""
     task, flags = SCHEDULES[case]
     schedule = case.partition("-")[0]
     b, s, h, layers, micro = 4, 32, 64, 2, 2  # TINY: global batch 8 = 2 micro-batches of 4 on one DP rank
@@ -78,11 +87,10 @@ def test_tp2_bytes_per_step_equal_megatrons_count(case, shared_tmp, cache):
     measured = last_rank_value(lambda: tb_scalars(tb, "comm-bytes/all_reduce[tp]"))
     norm = last_rank_value(lambda: tb_scalars(tb, "comm-bytes/all_reduce[mp]"))
     fp32 = 4
-    per_micro = (4 * layers + 2) * b * s * h + 3 * b * s
-    per_step = 0
+    per_micro = (4 * layers + 2) * b * s * h + 3 * b * s + layers * SPLIT_NORM_SUMS.get(case, 0) * b * s
+    per_step = layers * 2 * HEAD_DIM if case in HEAD_NORMS else 0  # q_norm and k_norm gradients
     if case == "auto-qwen3_moe":
         per_micro += layers * b * s * TOPK  # the routing weights' gradient, per MoE block
-        per_step += layers * 2 * HEAD_DIM  # q_norm and k_norm gradients
     expected = (micro * per_micro + per_step) * fp32
     assert tags == ["comm-bytes/all_reduce[mp]", "comm-bytes/all_reduce[tp]"]  # nothing else under pure TP
     assert measured == {1: expected, 2: expected, 3: expected}, (measured, expected)
@@ -188,12 +196,17 @@ def test_tp2_sequence_parallel_bytes_per_step_equal_megatrons_count(case, shared
         "gpt_tp": layers * 6 * h + 2 * h, "gpt_neo_tp": layers * 6 * h + 2 * h, "opt_tp": layers * 6 * h + 2 * h,
         "llama_tp": layers * 2 * h + h, "auto": layers * 2 * h + h, "bert_tp": layers * 6 * h + (h * h + h) + 2 * h,
         "auto-qwen3_moe": layers * (2 * h + EXPERTS * h + 2 * HEAD_DIM) + h,  # norms, router, q/k norms; final norm
+        "auto-gemma3_text": layers * (4 * h + 2 * HEAD_DIM) + h,  # four norms a layer (before and after each block)
+        "auto-phi3": layers * 2 * h + h, "auto-olmo2": layers * 2 * h + h,
     }[case]  # fmt: skip
     pooler = schedule == "bert_tp"
     routing = micro * layers * b * s * TOPK if case == "auto-qwen3_moe" else 0  # routing weights (and choices)
     int64 = 8
     expected = {
-        "all_reduce": (activation if positions else 0) + loss + split_weights * fp32,
+        "all_reduce": (activation if positions else 0)
+        + loss
+        + split_weights * fp32
+        + micro * layers * SPLIT_NORM_SUMS.get(case, 0) * b * s * fp32,
         "all_gather_single": (4 * layers + 2 + pooler) * activation + routing * (fp32 + int64),
         "reduce_scatter_single": (4 * layers + 1 + (not positions)) * activation + routing * fp32,
     }

@@ -180,10 +180,11 @@ def test_context_parallelism_it_cannot_run_is_one_error_before_compute(argv, mes
     assert message in line, line
 
 
-LINEAR_ATTENTION = ("minimax",)  # some layers mix tokens by linear attention: refused
+LINEAR_ATTENTION = ("minimax", "qwen3_next")  # some layers mix tokens by linear attention: refused
+SOFTCAP = ("gemma2", "vaultgemma")  # capped attention scores: refused
 
 
-@pytest.mark.parametrize("family", [f for f in auto.MODEL_TYPES if f not in LINEAR_ATTENTION])
+@pytest.mark.parametrize("family", [f for f in auto.MODEL_TYPES if f not in (*LINEAR_ATTENTION, *SOFTCAP)])
 def test_every_auto_family_at_cp2_computes_what_one_process_does(family):
     """Each family `--schedule auto` verifies, its attention split by the context-parallel plan
     alone: each rank's logits for its tokens, and the weights' gradients summed over the ranks,
@@ -214,11 +215,15 @@ def test_every_auto_family_at_cp2_computes_what_one_process_does(family):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=f"{family} {name}")
 
 
-def test_a_model_with_layers_the_ring_cannot_split_is_refused():
-    """MiniMax mixes tokens by linear attention in some layers: on a part of the sequence they would
-    be wrong, so the plan refuses the model rather than split what it can."""
+@pytest.mark.parametrize("family, refusal", [("minimax", "its layer model.layers.1 has no attention module"),
+                                             ("qwen3_next", "its layer model.layers.0 has no attention module"),
+                                             ("gemma2", r"caps its attention scores \(attn_logit_softcapping=50.0\)")])  # fmt: skip
+def test_a_model_the_ring_cannot_split_is_refused(family, refusal):
+    """MiniMax and Qwen3-Next mix tokens by linear attention in some layers: on a part of the sequence
+    they would be wrong, so the plan refuses the model rather than split what it can; Gemma 2 caps
+    its attention scores, which the ring does not."""
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(tiny("minimax"))
+        model = transformers.AutoModelForCausalLM.from_config(tiny(family))
     cp = ContextParallel(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
-    with pytest.raises(SchedulingError, match="its layer model.layers.1 has no attention module"):
+    with pytest.raises(SchedulingError, match=refusal):
         split_attention(ms.create_schedule(model), cp)
