@@ -79,7 +79,8 @@ class LocalConfig:
             count = getattr(config, field, None)
             if isinstance(count, int):
                 if count % tp:
-                    raise sch._error(f"config.{field}={count} is not divisible by the tensor-parallel size {tp}")
+                    raise sch._error(f"its packed projection holds {count} heads ({field}), which the tensor-parallel "
+                                     f"size {tp} does not divide: use a size that does")  # fmt: skip
                 setattr(config, field, count // tp)
         sch.mod.config = config
 
