@@ -26,10 +26,18 @@ from tests.distributed.runs import PARITY, assert_parity, layout_case, reference
 from tests.utils import max_diff
 
 FAMILIES = auto.MODEL_TYPES  # each built from its tiny config (families.py)
+# Verified split along the sequence in the default tier (the others in the slow one): a family of each
+# kind (rotary, packed q|k|v, biases, parallel blocks, experts, latent attention, Gemma's embedding,
+# Phi-3's packed projections, OLMo 2's split norms, a completed plan) and the refused ones
+SEQUENCE_DEFAULT = ("llama", "qwen3", "starcoder2", "gpt_neox", "phi", "mixtral", "qwen3_moe", "deepseek_v3",
+                    "gemma3_text", "phi3", "olmo2", "granitemoe", *NO_SEQUENCE_PARALLEL)  # fmt: skip
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, sequence_parallel", [
+    pytest.param(family, sp, id=f"{family}-{'tp-sp' if sp else 'tp'}",
+                 marks=[pytest.mark.slow] if sp and family not in SEQUENCE_DEFAULT else [])
+    for family in FAMILIES for sp in (False, True)
+])  # fmt: skip
 def test_auto_matches_the_unscheduled_model(group, family, sequence_parallel):
     config = tiny(family)
     with torch.device("meta"):

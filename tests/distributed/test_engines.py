@@ -89,7 +89,7 @@ COMPILED = {
 # The slowest compiled cases run in the slow tier (the README's suite stays within 20 minutes): BERT's
 # (GPT's compile the same code) and FSDP2's at four ranks
 SLOW = {("bert", "tp2-compile-recompute-full"), ("bert", "tp2-sp-compile-ddp"), ("gpt", "tp2-sp-compile-ddp"),
-        ("gpt", "fsdp-tp2-dp2-compile"), ("gpt", "zero3-dp2-compile")}  # fmt: skip
+        ("gpt", "fsdp-tp2-dp2-compile"), ("gpt", "zero3-dp2-compile"), ("gpt", "tp2-compile-recompute-full")}  # fmt: skip
 
 
 def _case(task: str, name: str, sizes: tuple, flags: list[str]) -> pytest.param:

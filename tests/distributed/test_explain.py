@@ -32,15 +32,15 @@ CASES = {
     "tp2": TP,
     "tp2-ddp": [*TP, "--engine", "ddp"],
     "tp2-sp": [*TP, "--sequence-parallel"],
-    "tp2-recompute": [*TP, "--recompute-granularity", "full", "--recompute-method", "uniform"],
     "pp2": ["--pipeline-model-parallel-size", "2"],
     "zero3": ["--engine", "deepspeed", "--zero-stage", "3"],
     # two micro-batches a step from here on
-    "zero3-accumulating": ["--engine", "deepspeed", "--zero-stage", "3", "--micro-batch-size", "2"],
     "dp2-distributed-optimizer-bf16": ["--use-distributed-optimizer", "--bf16", "--micro-batch-size", "2"],
     "fsdp": ["--engine", "fsdp", "--micro-batch-size", "2"],
 }
 SLOW_CASES = {  # the slow tier's (the README's suite stays within 20 minutes)
+    "tp2-recompute": [*TP, "--recompute-granularity", "full", "--recompute-method", "uniform"],
+    "zero3-accumulating": ["--engine", "deepspeed", "--zero-stage", "3", "--micro-batch-size", "2"],
     "tp2-selective-recompute": [*TP, "--recompute-granularity", "selective"],
     "zero2-bf16": ["--engine", "deepspeed", "--zero-stage", "2", "--bf16", "--micro-batch-size", "2"],
     "ep2-qwen3_moe": [*MOE, "--expert-model-parallel-size", "2"],  # whole experts on each rank, tokens to them
