@@ -26,7 +26,7 @@ from megatron_slapo.metadata import Role
 from megatron_slapo.module_surgery import base_forward
 from megatron_slapo.parallel import collectives as C
 from megatron_slapo.parallel.layout import block_count
-from megatron_slapo.primitives.placement import check_sync, feature_axis, own_forward
+from megatron_slapo.primitives.placement import check_sync, feature_axis, own_forward, scaled_embedding
 from megatron_slapo.primitives.registry import primitive
 
 if TYPE_CHECKING:
@@ -121,8 +121,8 @@ class VocabParallelForward:
 
     def __call__(self, module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         out = vocab_parallel_embedding(ids, module.weight, self.group, module.padding_idx)
-        scale = getattr(module, "embed_scale", None)  # a scaled word embedding's (placement.scaled_embedding)
-        if scale is not None:
+        if scaled_embedding(module):  # the lookup times embed_scale, as HF's forward computes it
+            scale = module.embed_scale
             out = out * (scale.to(module.weight.dtype) if isinstance(scale, torch.Tensor) else scale)
         for reduce in self.reductions:
             out = reduce(out, fresh=True)

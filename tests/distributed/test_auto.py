@@ -336,7 +336,12 @@ def test_a_split_rms_norm_computes_the_whole_norm_in_bf16(group, rank, norm_clas
     part = slice(rank * 32, (rank + 1) * 32)
     mine = x.detach()[..., part].clone().requires_grad_()
     out, expected = split(mine), whole(x)
-    assert torch.equal(out, expected[..., part]), (out.float() - expected[..., part].float()).abs().max()
+    # The sum of squares adds the ranks' halves, the whole norm its 64 squares in the order the CPU's
+    # vectorisation takes: an fp32 last bit apart, which can move a rare element across a bf16 rounding
+    # boundary. Casting back in the other order than the family's moves a quarter of them.
+    moved = (out != expected[..., part]).float().mean().item()
+    assert moved < 0.05, moved
+    torch.testing.assert_close(out, expected[..., part], rtol=2**-7, atol=1e-6)  # at most one bf16 step apart
     grad = torch.randn_like(expected)
     expected.backward(grad)
     out.backward(grad[..., part])
