@@ -29,7 +29,7 @@ def main() -> None:
         Reporter.step = step_then_crash
     hold_at = int(os.environ.get("HOLD_SAVE_AT", 0))
     if hold_at:
-        from megatron_slapo.training import dist_checkpoint
+        from megatron_slapo.checkpoints import dist_checkpoint
 
         write = dist_checkpoint._write
 

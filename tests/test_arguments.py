@@ -5,11 +5,11 @@ import json
 import pytest
 import transformers
 
+from megatron_slapo.arguments.parser import EMBEDDED_DEFAULTS, parse_args
+from megatron_slapo.arguments.validation import validate_args
 from megatron_slapo.errors import ConfigError
-from megatron_slapo.training.arguments import EMBEDDED_DEFAULTS, parse_args
+from megatron_slapo.models.vocabulary import padded_vocab_size
 from megatron_slapo.training.loop import pretrain
-from megatron_slapo.training.model import padded_vocab_size
-from megatron_slapo.training.validation import validate_args
 
 DATA = ["--data-path", "corpus_text_document", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
 SIZES = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32"]
@@ -180,7 +180,7 @@ def test_deepspeed_config_contradictions(tmp_path, config, extra, message):
 
 
 def test_an_hf_model_keeps_its_rows_when_they_cover_the_tokenizer_and_split_across_tp():
-    from megatron_slapo.training.model import hf_vocab_size
+    from megatron_slapo.models.vocabulary import hf_vocab_size
 
     assert hf_vocab_size(151936, 151643, 128, 2) == 151936  # larger than the padded tokenizer, even: kept
     assert hf_vocab_size(151936, 151936, 128, 2) == 152064  # the tokenizer's own padding is larger
@@ -279,7 +279,7 @@ def test_deepspeed_fp16_config_takes_the_loss_scale_flags(tmp_path):
 
 
 def test_the_arguments_are_printed_as_megatron_does(capsys):
-    from megatron_slapo.training.trainer_args import print_arguments
+    from megatron_slapo.arguments.trainer_args import print_arguments
 
     print_arguments(args_for("--seed", "7"))
     lines = capsys.readouterr().out.splitlines()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from megatron_slapo.training import checkpointing
+from megatron_slapo.checkpoints import checkpointing
 from tests.test_launch import ROOT, RUN, env, torchrun
 from tests.utils import tb_scalars
 

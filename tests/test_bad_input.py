@@ -56,7 +56,7 @@ def test_out_of_range_values_name_the_flag(flag, value, message, capsys):
 
 def test_embedded_defaults_are_never_blamed_on_the_user(capsys):
     """With no data flags the embedded run picks --min-lr; a small --lr must not contradict it."""
-    from megatron_slapo.training.arguments import parse_args
+    from megatron_slapo.arguments.parser import parse_args
 
     args = parse_args("gpt", ["--lr", "1e-5", "--lr-warmup-iters", "3"])
     assert args.min_lr == pytest.approx(1e-6) and args.lr_warmup_fraction is None  # follow what was given
@@ -66,7 +66,7 @@ def test_embedded_defaults_are_never_blamed_on_the_user(capsys):
 
 
 def test_embedded_run_with_a_pretrained_model_keeps_its_shape(tmp_path):
-    from megatron_slapo.training.arguments import parse_args
+    from megatron_slapo.arguments.parser import parse_args
 
     args = parse_args("gpt", ["--load-hf", str(tmp_path)])
     assert args.seq_length is None and args.num_layers is None  # the checkpoint's, not the embedded run's
@@ -119,9 +119,9 @@ def test_a_pretrained_model_of_the_wrong_kind_is_refused(task, config, message, 
 
 
 def test_checkpoint_errors_say_what_is_wrong_and_how_to_reshard(tmp_path):
+    from megatron_slapo.checkpoints.checkpointing import LATEST, checkpoint_file
     from megatron_slapo.errors import CheckpointError
     from megatron_slapo.parallel.state import Layout
-    from megatron_slapo.training.checkpointing import LATEST, checkpoint_file
 
     tp2 = Layout(tp_rank=0, tp_size=2, pp_rank=0, pp_size=1, dp_rank=0, dp_group=None)
     (tmp_path / LATEST).write_text("20")
@@ -314,8 +314,8 @@ def test_bad_input_is_one_line_before_any_compute(case, tmp_path, capsys):
 
 
 def test_sharded_weights_are_checked_shard_by_shard(tmp_path):
+    from megatron_slapo.checkpoints.pretrained import check_weights
     from megatron_slapo.errors import ConfigError
-    from megatron_slapo.training.pretrained import check_weights
 
     config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, n_positions=32, vocab_size=100)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path, max_shard_size="10KB")

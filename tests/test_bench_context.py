@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_slapo.training.arguments import parse_args
+from megatron_slapo.arguments.parser import parse_args
 from tools import bench_context
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_slapo.training.arguments import parse_args
+from megatron_slapo.arguments.parser import parse_args
 from tools import bench_moe
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,10 +6,10 @@ import shutil
 import pytest
 import torch
 
+from megatron_slapo.checkpoints import checkpoint_files, checkpointing
+from megatron_slapo.checkpoints.checkpoint_files import LATEST, commit, iteration_dir
+from megatron_slapo.checkpoints.checkpointing import FILENAME
 from megatron_slapo.parallel.state import Layout
-from megatron_slapo.training import checkpoint_files, checkpointing
-from megatron_slapo.training.checkpoint_files import LATEST, commit, iteration_dir
-from megatron_slapo.training.checkpointing import FILENAME
 
 LAYOUT = Layout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, dp_rank=0, dp_group=None)
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from megatron_slapo.arguments.parser import parse_args
 from megatron_slapo.data import embedded
-from megatron_slapo.training.arguments import parse_args
 from tests.utils import tb_scalars
 from tools.launch_node import expand_hostlist
 

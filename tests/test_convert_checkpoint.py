@@ -20,10 +20,10 @@ import torch.distributed.checkpoint as dcp
 import transformers
 
 from megatron_slapo import parallel
+from megatron_slapo.checkpoints import checkpointing, conversion, dist_checkpoint
+from megatron_slapo.checkpoints.checkpoint_files import LATEST, Resume, iteration_dir
+from megatron_slapo.models.vocabulary import Vocabulary, tied_weights, vocab_parameter_names
 from megatron_slapo.parallel.state import Layout
-from megatron_slapo.training import checkpointing, conversion, dist_checkpoint
-from megatron_slapo.training.checkpoint_files import LATEST, Resume, iteration_dir
-from megatron_slapo.training.model import Vocabulary, tied_weights, vocab_parameter_names
 from tools import convert_checkpoint
 
 CONFIG = transformers.GPT2Config(vocab_size=100, n_positions=16, n_embd=16, n_layer=2, n_head=2)

@@ -17,8 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megatron_slapo import parallel
-from megatron_slapo.training import checkpointing, dist_checkpoint
-from megatron_slapo.training.checkpoint_files import iteration_dir
+from megatron_slapo.checkpoints import checkpointing, dist_checkpoint
+from megatron_slapo.checkpoints.checkpoint_files import iteration_dir
 from megatron_slapo.training.loop import pretrain
 from tests.test_nothing_lost import refused
 from tests.utils import tb_scalars

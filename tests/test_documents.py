@@ -7,13 +7,13 @@ import transformers
 from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
+from megatron_slapo.arguments.parser import parse_args
+from megatron_slapo.arguments.validation import validate_args
 from megatron_slapo.data.datasets import Corpus, SplitSizes, build_gpt_datasets
 from megatron_slapo.data.tokenizers import build_tokenizer
 from megatron_slapo.errors import ConfigError
-from megatron_slapo.training.arguments import parse_args
 from megatron_slapo.training.model import build_config
 from megatron_slapo.training.tasks import GPTTask
-from megatron_slapo.training.validation import validate_args
 
 VOCAB = 100  # NullTokenizer: ids 0..99, end-of-document 100
 EOD = VOCAB

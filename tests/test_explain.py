@@ -93,7 +93,7 @@ def test_explain_plans_expert_parallelism(tmp_path):
 
 def _estimate(tmp_path, world, *flags):
     """One rank's estimate in this process (the stack imported once for the cases below)."""
-    from megatron_slapo.training.estimate import estimate
+    from megatron_slapo.estimates.estimate import estimate
 
     argv = [*TINY, "--seq-length", "64", "--data-cache-path", str(tmp_path / "cache"), *flags]
     return estimate("gpt", argv, world, 0)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_slapo.training import checkpointing
+from megatron_slapo.checkpoints import checkpointing
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "2",

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from megatron_slapo import parallel
+from megatron_slapo.arguments.output_paths import check_output_dir, check_output_file
+from megatron_slapo.checkpoints import checkpoint_integrity, checkpointing
+from megatron_slapo.checkpoints.checkpointing import FILENAME, LATEST, iteration_dir
 from megatron_slapo.errors import ConfigError
-from megatron_slapo.training import checkpoint_integrity, checkpointing
-from megatron_slapo.training.checkpointing import FILENAME, LATEST, iteration_dir
 from megatron_slapo.training.loop import pretrain
-from megatron_slapo.training.output_paths import check_output_dir, check_output_file
 from tools import convert_checkpoint
 
 RUN = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "2",

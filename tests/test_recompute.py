@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from megatron_slapo import parallel
+from megatron_slapo.arguments.parser import parse_args
 from megatron_slapo.models.layers import transformer_layers
-from megatron_slapo.training.arguments import parse_args
-from megatron_slapo.training.loop import setup
 from megatron_slapo.training.recompute import recomputed_layers
+from megatron_slapo.training.run import setup
 from tests.test_bad_input import GPT, TRAIN, one_error_line
 
 LAYERS = [f"h.{i}" for i in range(8)]

@@ -1,6 +1,6 @@
 """A family no schedule is verified on is refused, where the run needs its model split, in one line
 that says what stops ``--schedule auto`` on it and what to do instead (schedules/refusal.py); a
-width the size flags set indirectly is blamed on the flag that set it (training/widths.py).
+width the size flags set indirectly is blamed on the flag that set it (arguments/widths.py).
 
 Each run plans rank 0 of two in this process (``tools/explain.py``, the trainer's own checks over
 a fake process group). The families are ones ``--schedule auto`` is not meant to cover in this

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_slapo.training.checkpoint_files import LATEST, iteration_dir
+from megatron_slapo.checkpoints.checkpoint_files import LATEST, iteration_dir
 from tests.test_launch import ROOT, env
 from tests.utils import tb_scalars
 

@@ -6,13 +6,13 @@ import re
 import torch
 from torch import nn
 
+from megatron_slapo.arguments.parser import parse_args
+from megatron_slapo.arguments.validation import validate_args
 from megatron_slapo.engines.base import ModelShape
 from megatron_slapo.parallel.state import Layout
-from megatron_slapo.training.arguments import parse_args
 from megatron_slapo.training.memory import StepMeter
 from megatron_slapo.training.reporting import tensorboard_dir
 from megatron_slapo.training.settings import resolve_settings
-from megatron_slapo.training.validation import validate_args
 
 
 def _directory(task: str, flags: list[str], world: int, shape: ModelShape) -> str | None:

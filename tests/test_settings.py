@@ -8,10 +8,10 @@ import pytest
 import transformers
 
 from megatron_slapo import parallel
-from megatron_slapo.training.arguments import parse_args
-from megatron_slapo.training.loop import prepare
+from megatron_slapo.arguments.parser import parse_args
+from megatron_slapo.arguments.validation import validate_args
+from megatron_slapo.training.plan import prepare
 from megatron_slapo.training.settings import resolve_settings
-from megatron_slapo.training.validation import validate_args
 from schedules import SCHEDULES, SINGLE_DEVICE, default_for
 
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from megatron_slapo.checkpoints.dcp_planners import PieceLoadPlanner, PieceSavePlanner
 from megatron_slapo.parallel.shard_geometry import Placement, global_pieces, run_boxes
-from megatron_slapo.training.dcp_planners import PieceLoadPlanner, PieceSavePlanner
 
 
 def _narrow(t: torch.Tensor, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> torch.Tensor:

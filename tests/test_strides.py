@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 import megatron_slapo as ms
+from megatron_slapo.checkpoints.conversion import _unsharded
 from megatron_slapo.kernels.qkv import FusedQKV
 from megatron_slapo.parallel.layout import as_stride, block_sizes, shard_slice, unshard
 from megatron_slapo.parallel.shard_geometry import Placement, global_pieces
-from megatron_slapo.training.conversion import _unsharded
 
 
 def _rows(sizes: list[int], rank: int, world: int) -> list[int]:

@@ -4,12 +4,12 @@ refusals of bad input, one line each."""
 import pytest
 import transformers
 
+from megatron_slapo.arguments.parser import parse_args
+from megatron_slapo.arguments.validation import validate_args
 from megatron_slapo.data import embedded
 from megatron_slapo.data.tokenizers import build_tokenizer
 from megatron_slapo.errors import ConfigError
-from megatron_slapo.training.arguments import parse_args
 from megatron_slapo.training.model import pipeline_cuts
-from megatron_slapo.training.validation import validate_args
 from tests.test_bad_input import one_error_line
 from tools import convert_checkpoint
 

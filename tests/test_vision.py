@@ -4,13 +4,13 @@ image set, FLOPs per image, and the refusals of bad input (one line, before any 
 import pytest
 import torch
 
+from megatron_slapo.arguments.parser import parse_args
+from megatron_slapo.arguments.validation import validate_args
 from megatron_slapo.data.images import PatternImages
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.models.wideresnet import WideResNetConfig, WideResNetForImageClassification
-from megatron_slapo.training.arguments import parse_args
 from megatron_slapo.training.flops import flops_per_image
 from megatron_slapo.training.model import auto_class, check_channels
-from megatron_slapo.training.validation import validate_args
 from tests.test_bad_input import one_error_line
 
 TRAIN = ["--train-iters", "2", "--eval-iters", "0"]

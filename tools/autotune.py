@@ -25,7 +25,7 @@ the tuner chooses the rest, from the candidates given (every one by default):
 - ``mbs``: micro-batch sizes dividing the global batch per data-parallel rank;
 - ``recompute``: none, selective (attention cores) or full (every layer).
 
-Each point is explained first (:mod:`megatron_slapo.training.estimate`, in this process, no
+Each point is explained first (:mod:`megatron_slapo.estimates.estimate`, in this process, no
 training): points over ``--memory-budget-gib`` (default: the GPU's memory, else this machine's
 RAM shared by the ranks; 90% of it) and points dominated by a cheaper one are never run
 (:mod:`megatron_slapo.tuning.search`). The rest run as trials, one ``torchrun`` each
@@ -61,9 +61,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
+from megatron_slapo.arguments.parser import parse_args  # noqa: E402
 from megatron_slapo.errors import ConfigError  # noqa: E402
 from megatron_slapo.training import error_report  # noqa: E402
-from megatron_slapo.training.arguments import parse_args  # noqa: E402
 from megatron_slapo.training.settings import resolve_settings  # noqa: E402
 from megatron_slapo.tuning.search import Cost, ring_traffic, search  # noqa: E402
 from megatron_slapo.tuning.space import Point, Space  # noqa: E402

@@ -37,11 +37,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from megatron_slapo.arguments.parser import parse_args  # noqa: E402
+from megatron_slapo.checkpoints import checkpointing, dist_checkpoint  # noqa: E402
+from megatron_slapo.checkpoints.checkpoint_files import iteration_dir  # noqa: E402
 from megatron_slapo.parallel.collectives import comm_device  # noqa: E402
-from megatron_slapo.training import checkpointing, dist_checkpoint, error_report  # noqa: E402
-from megatron_slapo.training.arguments import parse_args  # noqa: E402
-from megatron_slapo.training.checkpoint_files import iteration_dir  # noqa: E402
-from megatron_slapo.training.loop import Run, setup, train  # noqa: E402
+from megatron_slapo.training import error_report  # noqa: E402
+from megatron_slapo.training.loop import train  # noqa: E402
+from megatron_slapo.training.run import Run, setup  # noqa: E402
 
 
 def timed(fn: Callable[..., object], *args: object) -> float:

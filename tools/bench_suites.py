@@ -45,14 +45,15 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from megatron_slapo import parallel  # noqa: E402
+from megatron_slapo.arguments.parser import parse_args  # noqa: E402
+from megatron_slapo.arguments.validation import validate_args  # noqa: E402
 from megatron_slapo.compat.torch_internals import foreach_mul_  # noqa: E402
 from megatron_slapo.engines.optimizer import global_norm  # noqa: E402
 from megatron_slapo.plans.kernel_swap import swap_in_kernels  # noqa: E402
 from megatron_slapo.plans.sequence import plan_schedule  # noqa: E402
-from megatron_slapo.training.arguments import parse_args  # noqa: E402
-from megatron_slapo.training.loop import _language_task, pretrain  # noqa: E402
+from megatron_slapo.training.loop import pretrain  # noqa: E402
+from megatron_slapo.training.plan import language_task  # noqa: E402
 from megatron_slapo.training.settings import resolve_settings  # noqa: E402
-from megatron_slapo.training.validation import validate_args  # noqa: E402
 from schedules import SCHEDULES, gpt_tp  # noqa: E402
 from tools.plot import read_scalars  # noqa: E402
 
@@ -112,7 +113,7 @@ def mcore_step_seconds(common: list[str], iters: int, warmup: int) -> float:
     parallel.initialize(world, 1, seed=args.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     settings, hf_config = resolve_settings(args)
-    hf, _, _ = _language_task(args, settings, hf_config, None)  # the trainer's GPT-2: sizes, padded vocabulary
+    hf, _, _ = language_task(args, settings, hf_config, None)  # the trainer's GPT-2: sizes, padded vocabulary
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     config = TransformerConfig(
         num_layers=hf.n_layer, hidden_size=hf.n_embd, num_attention_heads=hf.n_head, hidden_dropout=hf.resid_pdrop,

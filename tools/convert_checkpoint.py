@@ -43,21 +43,14 @@ import transformers
 from torch import nn
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 
+from megatron_slapo.arguments.output_paths import check_output_dir
+from megatron_slapo.checkpoints import checkpoint_integrity, checkpointing, conversion, dist_checkpoint
+from megatron_slapo.checkpoints.checkpoint_files import Resume
 from megatron_slapo.errors import CheckpointError, ConfigError
+from megatron_slapo.models.vocabulary import Vocabulary, hf_vocab_size, tied_weights, vocab_parameter_names
 from megatron_slapo.parallel.agreement import agreed_errors
 from megatron_slapo.parallel.state import Layout
-from megatron_slapo.training import checkpoint_integrity, checkpointing, conversion, dist_checkpoint
-from megatron_slapo.training.checkpoint_files import Resume
-from megatron_slapo.training.model import (
-    Vocabulary,
-    auto_class,
-    check_channels,
-    check_divisible,
-    hf_vocab_size,
-    tied_weights,
-    vocab_parameter_names,
-)
-from megatron_slapo.training.output_paths import check_output_dir
+from megatron_slapo.training.model import auto_class, check_channels, check_divisible
 
 HF_WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
 
@@ -153,7 +146,7 @@ def _shard(model: nn.Module, args: argparse.Namespace) -> None:
 
 def _metadata(model: nn.Module, task: str, vocab: tuple[int, int] | None, vocab_params: list[str]) -> dict[str, Any]:
     """What a checkpoint of ``model`` (as this rank holds it) records for export and for loading
-    (:func:`~megatron_slapo.training.checkpointing.export_metadata`); ``vocab``: the true and the
+    (:func:`~megatron_slapo.checkpoints.checkpointing.export_metadata`); ``vocab``: the true and the
     padded vocabulary sizes (None for an image model); ``vocab_params``: its vocabulary tensors."""
     return checkpointing.export_metadata(
         model.state_dict(keep_vars=True), type(model).__name__, task, model.config,
@@ -189,7 +182,7 @@ def from_hf(args: argparse.Namespace) -> None:
     """An HF directory as an iteration-0 checkpoint: ``torch_dist`` (the HF tensors as they are) or
     ``torch`` (sharded by ``--schedule`` at ``--tensor-model-parallel-size``, its vocabulary padded)."""
     from megatron_slapo import parallel
-    from megatron_slapo.training.arguments import BERT_MODEL_TYPES, T5_MODEL_TYPES, VISION_MODEL_TYPES
+    from megatron_slapo.arguments.parser import BERT_MODEL_TYPES, T5_MODEL_TYPES, VISION_MODEL_TYPES
 
     torch_format, tp = args.ckpt_format == "torch", args.tensor_model_parallel_size
     if torch_format:

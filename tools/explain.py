@@ -6,14 +6,14 @@
 
 Every flag but the three below is ``pretrain_<task>.py``'s, checked as the trainer checks it. One
 process plans each pipeline stage's first rank over a fake process group of ``--world-size`` ranks
-(no GPU, no cluster, no weights: see :mod:`megatron_slapo.training.estimate`), and prints what the
+(no GPU, no cluster, no weights: see :mod:`megatron_slapo.estimates.estimate`), and prints what the
 schedule did to each module, then per rank: weight, gradient and optimizer bytes, activation bytes
 per micro-batch (and how many micro-batches 1F1B holds at once), collective bytes per step by type
 and group, the pipeline bubble and FLOPs per step; with ``--expert-model-parallel-size``, each
 rank's routed experts (its bytes of them, the expert-data-parallel group) and the tokens'
 all-to-all; with ``--context-parallel-size C``, each rank's figures for its ``1/C`` of every
 sequence and the attention's key/value exchange between the C ranks (the ``[cp]`` rows, the
-bytes ``--log-comm`` counts: :mod:`megatron_slapo.training.context_estimate`). With ``--load
+bytes ``--log-comm`` counts: :mod:`megatron_slapo.estimates.context_estimate`). With ``--load
 DIR``, what the checkpoint there is and how this layout loads it (a ``torch_dist`` one: the layout
 that saved it, and whether the run reshards it).
 
@@ -37,12 +37,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from megatron_slapo.arguments.output_paths import check_output_file  # noqa: E402
+from megatron_slapo.arguments.parser import OneLineParser, parse_args  # noqa: E402
+from megatron_slapo.arguments.validation import validate_args  # noqa: E402
+from megatron_slapo.checkpoints import checkpointing  # noqa: E402
 from megatron_slapo.errors import ConfigError  # noqa: E402
-from megatron_slapo.training import checkpointing, error_report  # noqa: E402
-from megatron_slapo.training.arguments import OneLineParser, parse_args  # noqa: E402
-from megatron_slapo.training.estimate import RankEstimate, estimate  # noqa: E402
-from megatron_slapo.training.output_paths import check_output_file  # noqa: E402
-from megatron_slapo.training.validation import validate_args  # noqa: E402
+from megatron_slapo.estimates.estimate import RankEstimate, estimate  # noqa: E402
+from megatron_slapo.training import error_report  # noqa: E402
 
 # megatron-core lays out the process groups of every rank, even over the fake backend: a plan takes
 # about a second more per thousand ranks, so from LARGE_WORLD_SIZE on explain says it is at work, and

@@ -8,7 +8,7 @@ themselves. All of these are, for one parameter, *a run of consecutive elements 
 tensor, flattened row-major*: the whole tensor is the run from 0, an FSDP2 shard (rows of dim 0)
 is the run from ``row * row_size``. So an engine describes its state as, per parameter, for each
 kind of state (``weight``, ``exp_avg``, ``exp_avg_sq``), the tensor holding its run and where that
-run starts. The checkpoint (``megatron_slapo.training.dist_checkpoint``) maps runs to boxes of the
+run starts. The checkpoint (``megatron_slapo.checkpoints.dist_checkpoint``) maps runs to boxes of the
 global tensor, through the parameter's tensor-parallel placement.
 
 ``weight`` is the most precise copy of a weight the engine keeps: the fp32 main weight under

@@ -171,7 +171,7 @@ def observing_meta(observer: MetaObserver) -> Iterator[None]:
     """While open, ``observer(phase, cp, k, v)`` is called each time the ring runs on the meta
     device, ``phase`` ``"forward"`` (again when recomputed) or ``"backward"``: where the real one
     would exchange ``k`` and ``v`` between ``cp``'s ranks (``tools/explain.py`` counts those bytes:
-    ``training/context_estimate.py``)."""
+    ``estimates/context_estimate.py``)."""
     _meta_observers.append(observer)
     try:
         yield

@@ -1,1 +1,4 @@
-"""The trainer: arguments, model, tasks, loop, checkpoints, reporting (``pretrain_*.py`` call :func:`loop.pretrain`)."""
+"""The run: its settings, the model and task it trains, planning it (``plan.py``), setting it up
+(``run.py``) and the loop (``loop.py``: ``pretrain_*.py`` call :func:`loop.main`), with its
+reporting. Flags live in ``arguments/``, checkpoints in ``checkpoints/``, explain's estimates in
+``estimates/``."""

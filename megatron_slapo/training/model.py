@@ -1,18 +1,15 @@
 """The HF model a run trains: from Megatron's size flags, an HF config, or pretrained weights.
 
 The model is created on the meta device (``build`` gives each rank only its shards) unless
-``--load-hf`` starts from real pretrained weights. The vocabulary is padded the way Megatron pads
-it, to a multiple of ``--make-vocab-size-divisible-by`` x TP size, so that it shards evenly; the
-padding is recorded so that export can drop it again.
+``--load-hf`` starts from real pretrained weights. Its vocabulary is padded the way Megatron pads
+it (:mod:`~megatron_slapo.models.vocabulary`).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import math
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,49 +17,16 @@ import transformers
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
+from megatron_slapo.arguments.config_from_flags import config_from_flags
+from megatron_slapo.arguments.validation import default_model_type
+from megatron_slapo.arguments.widths import Derived, check_divisible
+from megatron_slapo.checkpoints import pretrained
 from megatron_slapo.engines.base import ModelShape
 from megatron_slapo.engines.optimizer import half_precision
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels import attention
+from megatron_slapo.models.vocabulary import vocabulary
 from megatron_slapo.models.wideresnet import WideResNetConfig
-from megatron_slapo.training import pretrained
-from megatron_slapo.training.config_from_flags import config_from_flags
-from megatron_slapo.training.validation import default_model_type
-from megatron_slapo.training.widths import Derived, check_divisible
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int) -> int:
-    """Megatron's padding: the next multiple of ``divisible_by * tensor_parallel``."""
-    multiple = divisible_by * tensor_parallel
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
-def hf_vocab_size(model_vocab: int, tokenizer_vocab: int, divisible_by: int, tensor_parallel: int) -> int:
-    """Embedding rows of a model that starts from an HF config: the model's own rows if they cover
-    the tokenizer's padded vocabulary and split evenly across TP, else Megatron's padding of them."""
-    size = max(model_vocab, padded_vocab_size(tokenizer_vocab, divisible_by, tensor_parallel))
-    return size if size % tensor_parallel == 0 else padded_vocab_size(size, divisible_by, tensor_parallel)
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    """The vocabulary's two sizes: the ids export keeps (``true_size``) and the embedding rows the
-    model trains with, padded so that they shard evenly (``padded_size``)."""
-
-    true_size: int
-    padded_size: int
-
-
-def vocabulary(
-    args: argparse.Namespace, tokenizer: Any, hf_config: transformers.PretrainedConfig | None = None
-) -> Vocabulary:
-    """The run's vocabulary: the tokenizer's, padded Megatron's way; with an HF config (``--hf-config``,
-    ``--load-hf``), the model's own rows where they are more (see :func:`hf_vocab_size`)."""
-    tp, multiple = args.tensor_model_parallel_size, args.make_vocab_size_divisible_by
-    if hf_config is None:
-        return Vocabulary(tokenizer.vocab_size, padded_vocab_size(tokenizer.vocab_size, multiple, tp))
-    return Vocabulary(max(hf_config.vocab_size, tokenizer.vocab_size),  # export keeps the model's rows
-                      hf_vocab_size(hf_config.vocab_size, tokenizer.vocab_size, multiple, tp))  # fmt: skip
 
 
 def _check_read(args: argparse.Namespace, hf_config: transformers.PretrainedConfig | None) -> None:
@@ -147,7 +111,7 @@ def check_channels(config: WideResNetConfig, tp: int) -> None:
 def read_hf_config(args: argparse.Namespace) -> transformers.PretrainedConfig | None:
     """The config of ``--load-hf DIR`` or ``--hf-config NAME_OR_DIR``, checked to be a model this
     task trains, of the ``--model-type`` given, that can be built, and (``--load-hf``) to come with
-    readable weights (:mod:`~megatron_slapo.training.pretrained`); None without either (the size
+    readable weights (:mod:`~megatron_slapo.checkpoints.pretrained`); None without either (the size
     flags shape the model)."""
     if not (args.load_hf or args.hf_config):
         return None
@@ -229,23 +193,6 @@ def create_model(args: argparse.Namespace, task: str, config: transformers.Pretr
             raise
         raise ConfigError(f"--attention-backend {args.attention_backend}: the HF {config.model_type} model has no "
                           "SDPA attention; use --attention-backend auto or unfused") from e  # fmt: skip
-
-
-def vocab_parameter_names(model: nn.Module) -> list[str]:
-    """Names (ties included) of the tensors with one row per vocabulary entry: embedding, LM head, its
-    bias (none for an image model)."""
-    if model.main_input_name == "pixel_values":
-        return []
-    out = model.get_output_embeddings()
-    vocab_tensors = [model.get_input_embeddings().weight, getattr(out, "weight", None), getattr(out, "bias", None)]
-    ids = {id(t) for t in vocab_tensors if t is not None}
-    return sorted(n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in ids)
-
-
-def tied_weights(model: nn.Module) -> dict[str, str]:
-    """HF's tied weights of ``model`` as built (name -> the name it is tied to; none when the
-    config unties them)."""
-    return dict(getattr(model, "all_tied_weights_keys", None) or {})
 
 
 def pipeline_stages(args: argparse.Namespace, num_layers: int) -> int:

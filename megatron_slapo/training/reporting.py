@@ -28,7 +28,7 @@ import os
 import resource
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,12 @@ if TYPE_CHECKING:
     from megatron_slapo.training.settings import RunSettings
 
 MiB = 2**20
+
+
+def print_rank_0(*values: Any) -> None:
+    """Print once for the job: on rank 0, or in a process without process groups."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*values, flush=True)
 
 
 def _now() -> str:

@@ -27,9 +27,9 @@ from megatron_slapo.data.embedded import EmbeddedData
 from megatron_slapo.data.images import SPLITS, PatternImages
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.kernels.vocab import vocab_parallel_cross_entropy
+from megatron_slapo.models.vocabulary import Vocabulary
 from megatron_slapo.parallel.collectives import Group
 from megatron_slapo.parallel.context import ContextParallel
-from megatron_slapo.training.model import Vocabulary
 from megatron_slapo.training.moe_loss import LoadBalancingLoss
 
 

@@ -4,7 +4,7 @@ and the result written as JSON (``tools/autotune.py`` reads the file, never the 
     .venv/bin/torchrun --nproc_per_node 2 -m megatron_slapo.tuning.trial --out result.json --task gpt \\
         --warmup 1 --steps 3 -- <pretrain_gpt.py flags>
 
-The trainer's own :func:`~megatron_slapo.training.loop.setup` builds the run, so a trial is the
+The trainer's own :func:`~megatron_slapo.training.run.setup` builds the run, so a trial is the
 run the printed command starts. After ``--warmup`` steps (compilation, DeepSpeed's first-step
 bookkeeping), each of ``--steps`` steps is timed on every rank between barriers and counted as the
 slowest rank's time; the median is the result, with throughput and the loss. Peak memory is the
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_slapo import parallel
+from megatron_slapo.arguments.parser import parse_args
 from megatron_slapo.data.samplers import data_loader
-from megatron_slapo.training.arguments import parse_args
-from megatron_slapo.training.loop import Run, setup
+from megatron_slapo.training.run import Run, setup
 
 
 @contextlib.contextmanager

@@ -29,9 +29,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.flop_counter import FlopCounterMode
 
+from megatron_slapo.arguments.parser import parse_args
 from megatron_slapo.parallel.comm_log import CommLog
-from megatron_slapo.training.arguments import parse_args
-from megatron_slapo.training.loop import Run, setup, train
+from megatron_slapo.training.loop import train
+from megatron_slapo.training.run import Run, setup
 from megatron_slapo.tuning.trial import step_batches
 
 

@@ -13,8 +13,8 @@ import shutil
 import pytest
 import torch.distributed as dist
 
-from megatron_slapo.training import checkpoint_integrity
-from megatron_slapo.training.checkpointing import FILENAME, iteration_dir
+from megatron_slapo.checkpoints import checkpoint_integrity
+from megatron_slapo.checkpoints.checkpointing import FILENAME, iteration_dir
 from megatron_slapo.training.loop import pretrain
 from tests.distributed.runs import TINY, TP2, refused_on_every_rank
 

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from megatron_slapo.checkpoints import checkpointing
 from megatron_slapo.engines.optimizer import local_part
-from megatron_slapo.training import checkpointing
 from tests.distributed.runs import (
     PARITY,
     assert_parity,
@@ -180,8 +180,8 @@ def test_zero0_from_a_deepspeed_config_trains_as_one_process(reference, shared_t
 
 
 def _setup(argv: list[str]):
-    from megatron_slapo.training.arguments import parse_args
-    from megatron_slapo.training.loop import setup
+    from megatron_slapo.arguments.parser import parse_args
+    from megatron_slapo.training.run import setup
 
     return setup(parse_args("gpt", argv))
 
@@ -281,9 +281,9 @@ def test_zero3_partitions_each_unit_as_it_is_built_with_hf_initialisation():
 
     import megatron_slapo as ms
     from megatron_slapo import parallel
+    from megatron_slapo.arguments.parser import parse_args
+    from megatron_slapo.arguments.validation import validate_args
     from megatron_slapo.engines.deepspeed_zero import DeepSpeedEngine
-    from megatron_slapo.training.arguments import parse_args
-    from megatron_slapo.training.validation import validate_args
     from tests.utils import tiny_gpt2_config
 
     args = parse_args("gpt", [*PARITY, *ZERO, "3", "--mock-data", "--tokenizer-type", "NullTokenizer",

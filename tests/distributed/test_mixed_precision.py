@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from megatron_slapo.training.arguments import parse_args
-from megatron_slapo.training.loop import setup
+from megatron_slapo.arguments.parser import parse_args
+from megatron_slapo.training.run import setup
 from tests.distributed.runs import PARITY, TP2, last_rank_value, train_losses
 from tests.utils import tb_scalars, tb_tags
 

@@ -30,8 +30,8 @@ LAST = -1  # the poisoned rank: the last one computes the loss under pipeline pa
 
 
 def _setup(flags: list[str], cache: str):
-    from megatron_slapo.training.arguments import parse_args
-    from megatron_slapo.training.loop import setup
+    from megatron_slapo.arguments.parser import parse_args
+    from megatron_slapo.training.run import setup
 
     argv = [*PARITY, "--schedule", "gpt_tp", "--lr-warmup-fraction", "0", *flags, "--data-cache-path", cache]
     return setup(parse_args("gpt", argv))  # no warmup: the first step taken has a learning rate

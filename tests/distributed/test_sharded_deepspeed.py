@@ -24,14 +24,14 @@ from megatron.core import parallel_state
 
 import megatron_slapo as ms
 from megatron_slapo import parallel
+from megatron_slapo.arguments.parser import parse_args
+from megatron_slapo.arguments.validation import validate_args
 from megatron_slapo.engines.base import ModelShape
 from megatron_slapo.engines.deepspeed_state import grad_scaler_state, load_grad_scaler_state
 from megatron_slapo.engines.deepspeed_zero import DeepSpeedEngine
 from megatron_slapo.engines.loss_scaler import load_scaler_state, loss_scaler_for
 from megatron_slapo.engines.sharded_state import WEIGHT, EngineState, Fill
-from megatron_slapo.training.arguments import parse_args
 from megatron_slapo.training.tasks import GPTTask
-from megatron_slapo.training.validation import validate_args
 from tests.distributed.conftest import use_layout
 from tests.utils import tiny_gpt2_config
 

@@ -29,8 +29,8 @@ FSDP = [*PARITY, "--engine", "fsdp", "--lr-warmup-fraction", "0", "--max-positio
 
 
 def _setup(flags: list[str], cache: str):
-    from megatron_slapo.training.arguments import parse_args
-    from megatron_slapo.training.loop import setup
+    from megatron_slapo.arguments.parser import parse_args
+    from megatron_slapo.training.run import setup
 
     run = setup(parse_args("gpt", [*FSDP, *flags, "--data-cache-path", cache]))
     run.reporter.close()  # nothing is reported here

@@ -36,8 +36,8 @@ CASES = {  # megatron-core's optimizers: FP32Optimizer, DistributedOptimizer, Fl
 
 
 def _setup(flags: list[str], seed: int, cache: str):
-    from megatron_slapo.training.arguments import parse_args
-    from megatron_slapo.training.loop import setup
+    from megatron_slapo.arguments.parser import parse_args
+    from megatron_slapo.training.run import setup
 
     argv = [*PARITY, "--engine", "megatron", "--lr-warmup-fraction", "0", *flags, "--seed", str(seed),
             "--data-cache-path", cache]  # fmt: skip

@@ -12,9 +12,9 @@ import torch.distributed as dist
 import transformers
 
 import megatron_slapo as ms
+from megatron_slapo.checkpoints import checkpointing
 from megatron_slapo.data import embedded
 from megatron_slapo.parallel.collectives import gather_tensor
-from megatron_slapo.training import checkpointing
 from megatron_slapo.training.loop import pretrain
 from schedules import gpt_tp
 from tests.distributed.conftest import use_layout

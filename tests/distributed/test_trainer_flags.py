@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from megatron_slapo.training import checkpointing, dist_checkpoint
+from megatron_slapo.checkpoints import checkpointing, dist_checkpoint
 from megatron_slapo.training.exit_conditions import ExitConditions
 from megatron_slapo.training.loop import pretrain
 from megatron_slapo.training.reporting import Reporter

@@ -5,7 +5,7 @@ Megatron's own families (GPT-2, GPT-Neo, OPT, Llama, BERT, T5) take the flags as
 them; any other transformers model type takes its config class's defaults scaled down to the flags,
 and an MoE family takes Megatron's MoE flags. Widths the flags set only indirectly (an FFN from
 ``--hidden-size``, experts' widths scaled as the family scales them) are returned with the flag
-they came from (:class:`~megatron_slapo.training.widths.Derived`), so that a width TP cannot split
+they came from (:class:`~megatron_slapo.arguments.widths.Derived`), so that a width TP cannot split
 is blamed on that flag.
 """
 
@@ -16,9 +16,9 @@ from typing import Any
 
 import transformers
 
+from megatron_slapo.arguments.validation import flag
+from megatron_slapo.arguments.widths import EXPERTS, FFN, SHARED_EXPERTS, Derived
 from megatron_slapo.errors import ConfigError
-from megatron_slapo.training.validation import flag
-from megatron_slapo.training.widths import EXPERTS, FFN, SHARED_EXPERTS, Derived
 
 # --model-type -> HF config class (the model class follows from the task, see auto_class)
 CONFIGS = {

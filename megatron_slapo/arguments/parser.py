@@ -3,7 +3,7 @@
 Everything a Megatron-LM user passes to ``pretrain_gpt.py`` keeps its name and meaning
 (``--tensor-model-parallel-size``, ``--micro-batch-size``, ``--lr-decay-style``, ``--save`` ...);
 our additions sit beside them (``--schedule``, ``--model-type``, ``--hf-config``, ``--load-hf``,
-``--engine``). Their validation is ``training/validation.py``'s.
+``--engine``). Their validation is ``arguments/validation.py``'s.
 """
 
 from __future__ import annotations

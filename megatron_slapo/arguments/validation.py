@@ -1,7 +1,7 @@
 """Validation of the trainer's arguments: every problem it can see before any compute, in one line.
 
 :func:`validate_args` collects the missing required flags, the values out of range and the flags
-that contradict each other (``training/problems.py``) and raises them as one
+that contradict each other (``arguments/problems.py``) and raises them as one
 :class:`~megatron_slapo.errors.ConfigError`; what depends on derived values (the batch sizes, the
 LR schedule) is checked after, one at a time. It also fills in what the flags imply (the
 data-parallel size, the global batch, the LR schedule's lengths), so the arguments that leave it
@@ -14,16 +14,16 @@ import argparse
 import math
 import re
 
-from megatron_slapo.errors import ConfigError
-from megatron_slapo.training.arguments import (
+from megatron_slapo.arguments.parser import (
     BERT_MODEL_TYPES,
     GPT_MODEL_TYPES,
     MOE_FLAGS,
     T5_MODEL_TYPES,
     VISION_MODEL_TYPES,
 )
-from megatron_slapo.training.problems import Problems
-from megatron_slapo.training.trainer_args import TRAINER_MINIMUM, check_trainer_args, resolve_training_length
+from megatron_slapo.arguments.problems import Problems
+from megatron_slapo.arguments.trainer_args import TRAINER_MINIMUM, check_trainer_args, resolve_training_length
+from megatron_slapo.errors import ConfigError
 
 # Flags that must be at least this large when given (None means "not given", which later checks handle).
 _MINIMUM = dict(

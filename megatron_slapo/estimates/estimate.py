@@ -10,7 +10,7 @@ backward, as the engine would run it. That pass is measured, not modelled:
 - collectives: :class:`~megatron_slapo.parallel.comm_log.CommLog`, the counter behind
   ``--log-comm``, over the model's own collectives (the fake group's calls move nothing); the
   context-parallel ring's, which makes none on meta, from each of its runs
-  (:mod:`~megatron_slapo.training.context_estimate`);
+  (:mod:`~megatron_slapo.estimates.context_estimate`);
 - FLOPs: ``FlopCounterMode`` (forward, backward and recomputation as they run).
 
 A pipeline rank runs its stages as megatron-core does: each stage from the values received at its
@@ -48,19 +48,19 @@ from megatron_slapo.engines.base import adamw_state
 from megatron_slapo.engines.deepspeed_zero import deepspeed_config, zero_state
 from megatron_slapo.engines.megatron_memory import megatron_state
 from megatron_slapo.engines.optimizer import half_precision, megatron_fp32_grads
-from megatron_slapo.models.layers import transformer_layers
-from megatron_slapo.parallel.comm_log import CommLog, group_names
-from megatron_slapo.pipeline import PipelineStages
-from megatron_slapo.tracing.meta_fixes import experts_on_meta
-from megatron_slapo.training.context_estimate import counting_exchanges, replicas_group, weight_replicas
-from megatron_slapo.training.expert_estimate import (
+from megatron_slapo.estimates.context_estimate import counting_exchanges, replicas_group, weight_replicas
+from megatron_slapo.estimates.expert_estimate import (
     ExpertShare,
     RoutedTraffic,
     expert_gradient_comm,
     expert_share,
     is_expert,
 )
-from megatron_slapo.training.loop import Plan, prepare
+from megatron_slapo.models.layers import transformer_layers
+from megatron_slapo.parallel.comm_log import CommLog, group_names
+from megatron_slapo.pipeline import PipelineStages
+from megatron_slapo.tracing.meta_fixes import experts_on_meta
+from megatron_slapo.training.plan import Plan, prepare
 
 DEEPSPEED_MAX_LIVE = 10**9  # DeepSpeed's stage3_max_live_parameters / max_reuse_distance defaults
 DEEPSPEED_PERSISTENT = 10**5  # its stage3_param_persistence_threshold default
@@ -327,7 +327,7 @@ def _tied_bytes(model: PipelineStages, local: list[int], grad_bytes: int) -> int
 
 def estimate(task: str, argv: list[str], world: int, rank: int) -> RankEstimate:
     """Plan rank ``rank`` of a ``world``-rank run of ``pretrain_<task>.py <argv>`` and measure it on meta."""
-    from megatron_slapo.training.arguments import parse_args
+    from megatron_slapo.arguments.parser import parse_args
 
     args = parse_args(task, argv)
     try:  # the fake group goes, whatever happens (an error is then reported as a plain process's)

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_slapo.checkpoints import checkpoint_integrity as integrity
 from megatron_slapo.errors import CheckpointError
-from megatron_slapo.training import checkpoint_integrity as integrity
 
 LATEST = "latest_checkpointed_iteration.txt"
 

@@ -19,7 +19,7 @@ tensor-, pipeline- or data-parallel size and on another engine, nothing ever gat
 rank. The RNG states are restored only at the layout that saved them (they are per rank).
 
 The iteration is written into ``iter_N.tmp`` and committed as in the ``torch`` format
-(:func:`~megatron_slapo.training.checkpoint_files.commit`, checksums included). With ``--async-save``
+(:func:`~megatron_slapo.checkpoints.checkpoint_files.commit`, checksums included). With ``--async-save``
 the tensors are copied to the CPU, the step loop goes on while a background thread writes them,
 and the commit (which alone moves ``latest``) happens once every rank's files are durable
 (:class:`AsyncSaves`): a run killed mid-save resumes from the checkpoint before.
@@ -38,6 +38,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from megatron_slapo.checkpoints import checkpoint_integrity as integrity
+from megatron_slapo.checkpoints.checkpoint_files import Resume, finish_save, iteration_dir, start_save
+from megatron_slapo.checkpoints.dcp_planners import PieceLoadPlanner, Pieces, PieceSavePlanner
+from megatron_slapo.checkpoints.rng_state import rng_state, set_rng_state
 from megatron_slapo.engines.base import Engine
 from megatron_slapo.engines.sharded_state import WEIGHT, EngineState
 from megatron_slapo.errors import CheckpointError
@@ -45,10 +49,6 @@ from megatron_slapo.parallel.agreement import agreed_errors
 from megatron_slapo.parallel.collectives import comm_device
 from megatron_slapo.parallel.shard_geometry import Placement, global_pieces
 from megatron_slapo.parallel.state import Layout
-from megatron_slapo.training import checkpoint_integrity as integrity
-from megatron_slapo.training.checkpoint_files import Resume, finish_save, iteration_dir, start_save
-from megatron_slapo.training.dcp_planners import PieceLoadPlanner, Pieces, PieceSavePlanner
-from megatron_slapo.training.rng_state import rng_state, set_rng_state
 
 FORMAT_FILE = "metadata.json"  # Megatron-LM's: names the backend of a distributed checkpoint
 COMMON = "common.pt"
@@ -81,7 +81,7 @@ class Identity:
 
     @classmethod
     def of(cls, metadata: dict[str, Any], saved: dict[str, Any] | None = None) -> Identity:
-        """From the run's checkpoint metadata (:func:`~megatron_slapo.training.checkpointing.export_metadata`)
+        """From the run's checkpoint metadata (:func:`~megatron_slapo.checkpoints.checkpointing.export_metadata`)
         and, on load, the saved tensors' metadata (DCP's)."""
         tied = dict(metadata.get("tied", {}))
         rows = {}
@@ -228,7 +228,7 @@ def load(engine: Engine, root: str, common: dict[str, Any], layout: Layout, meta
          load_optimizer: bool) -> None:  # fmt: skip
     """Load the tensors of the checkpoint in ``root`` into ``engine`` (the optimizer's with
     ``load_optimizer``), resharding as needed, and the engine's scalars; ``metadata``: the run's
-    (:func:`~megatron_slapo.training.checkpointing.export_metadata`). Collective."""
+    (:func:`~megatron_slapo.checkpoints.checkpointing.export_metadata`). Collective."""
     reader = dcp.FileSystemReader(root)
     saved = reader.read_metadata().state_dict_metadata
     identity = Identity.of(metadata, saved)

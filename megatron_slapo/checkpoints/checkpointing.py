@@ -1,6 +1,6 @@
 """Checkpoints in Megatron-LM's two formats, written atomically, resumable exactly.
 
-``--ckpt-format torch_dist`` (the default) is :mod:`~megatron_slapo.training.dist_checkpoint`:
+``--ckpt-format torch_dist`` (the default) is :mod:`~megatron_slapo.checkpoints.dist_checkpoint`:
 every tensor once, by its global identity, loadable at any layout and on any engine. This module
 dispatches to it and holds the ``torch`` format (Megatron-LM's legacy layout)::
 
@@ -14,13 +14,13 @@ data-parallel ranks, ZeRO and FSDP, write that into their own files in the itera
 keep a pointer here), the RNG states of every data-parallel rank, the iteration and the consumed
 samples (the data position), plus what export needs: each tensor's shard layout, the HF config and
 the vocabulary padding. Files are read with ``torch.load(weights_only=True)``. Both formats are
-committed crash-safely (:mod:`~megatron_slapo.training.checkpoint_files`).
+committed crash-safely (:mod:`~megatron_slapo.checkpoints.checkpoint_files`).
 
 Nothing is lost: before any compute, :func:`check_save_target` refuses a ``--save`` that cannot be
 written or that holds iterations the run did not load from (it would overwrite them, or move
 ``latest`` back past them), unless ``--overwrite-checkpoints``. Each iteration carries the
 checksums of its files, verified on load, and a checkpoint with non-finite values is refused
-(:mod:`~megatron_slapo.training.checkpoint_integrity`). What one rank finds wrong with a
+(:mod:`~megatron_slapo.checkpoints.checkpoint_integrity`). What one rank finds wrong with a
 checkpoint, every rank reports (:mod:`~megatron_slapo.parallel.agreement`).
 """
 
@@ -34,13 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_slapo.engines.base import Engine
-from megatron_slapo.errors import CheckpointError, ConfigError
-from megatron_slapo.parallel.agreement import agreed_errors
-from megatron_slapo.parallel.state import Layout
-from megatron_slapo.training import checkpoint_integrity as integrity
-from megatron_slapo.training import dist_checkpoint
-from megatron_slapo.training.checkpoint_files import (
+from megatron_slapo.arguments.output_paths import check_output_dir
+from megatron_slapo.checkpoints import checkpoint_integrity as integrity
+from megatron_slapo.checkpoints import dist_checkpoint
+from megatron_slapo.checkpoints.checkpoint_files import (
     LATEST,
     Resume,
     committed_dir,
@@ -51,9 +48,12 @@ from megatron_slapo.training.checkpoint_files import (
     start_save,
     write_file,
 )
-from megatron_slapo.training.model import Vocabulary
-from megatron_slapo.training.output_paths import check_output_dir
-from megatron_slapo.training.rng_state import rng_state, set_rng_state
+from megatron_slapo.checkpoints.rng_state import rng_state, set_rng_state
+from megatron_slapo.engines.base import Engine
+from megatron_slapo.errors import CheckpointError, ConfigError
+from megatron_slapo.models.vocabulary import Vocabulary
+from megatron_slapo.parallel.agreement import agreed_errors
+from megatron_slapo.parallel.state import Layout
 
 FILENAME = "model_optim_rng.pt"
 VERSION = 3.0

@@ -8,7 +8,7 @@ process group (no torchrun needed to export one). Either way the result is the g
 HF name, a vocabulary with the padding rows of the run that saved it (they train, as Megatron's):
 :func:`hf_model` builds the HF model from them, without the padding for export.
 
-Writing goes through :mod:`~megatron_slapo.training.checkpointing` like a training run's save,
+Writing goes through :mod:`~megatron_slapo.checkpoints.checkpointing` like a training run's save,
 with :class:`WeightsOnly` standing in for the engine: a converted checkpoint holds weights only.
 """
 
@@ -27,14 +27,20 @@ import transformers
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megatron_slapo.checkpoints import checkpoint_integrity as integrity
+from megatron_slapo.checkpoints import checkpointing, dist_checkpoint
+from megatron_slapo.checkpoints.checkpoint_files import (
+    LATEST,
+    Resume,
+    committed_dir,
+    latest_iteration,
+    saved_iterations,
+)
 from megatron_slapo.engines.sharded_state import EngineState, Fill, whole
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.models import MODEL_CLASSES
+from megatron_slapo.models.vocabulary import tied_weights
 from megatron_slapo.parallel.layout import as_stride, unshard
-from megatron_slapo.training import checkpoint_integrity as integrity
-from megatron_slapo.training import checkpointing, dist_checkpoint
-from megatron_slapo.training.checkpoint_files import LATEST, Resume, committed_dir, latest_iteration, saved_iterations
-from megatron_slapo.training.model import tied_weights
 
 WEIGHTS_PREFIX = "model."  # a torch_dist checkpoint's weights; optimizer.* holds the moments
 
