@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LOG = """\
  > memory measured in iteration 1 (peak: saved activations + parameters + gradients + optimizer):
- > rank 0 (tensor, pipeline, data) = (0, 0, 0): parameters 2.38 MiB | gradients 2.38 MiB | optimizer 4.75 MiB
- > rank 0 (tensor, pipeline, data) = (0, 0, 0): activations 10.50 MiB per micro-batch | peak 20.00 MiB
- > rank 1 (tensor, pipeline, data) = (0, 0, 1): activations 11.00 MiB per micro-batch | peak 21.50 MiB
+ > rank 0 (tensor, pipeline, data, context) = (0, 0, 0, 0): parameters 2.38 MiB | gradients 2.38 MiB | optimizer 4.75 MiB
+ > rank 0 (tensor, pipeline, data, context) = (0, 0, 0, 0): activations 10.50 MiB per micro-batch | peak 20.00 MiB
+ > rank 1 (tensor, pipeline, data, context) = (0, 0, 0, 1): activations 11.00 MiB per micro-batch | peak 21.50 MiB
 [2026-11-27 01:10:01] iteration        1/       3 | consumed samples:            1 | elapsed time per iteration (ms): 112.8 | lm loss: 8.346545E+00 | loss scale: 1.0 |
 [2026-11-27 01:10:01] iteration        2/       3 | consumed samples:            2 | elapsed time per iteration (ms): 60.0 | lm loss: 8.327802E+00 | loss scale: 1.0 |
 [2026-11-27 01:10:02] iteration        3/       3 | consumed samples:            3 | elapsed time per iteration (ms): 70.0 | lm loss: 8.308733E+00 | loss scale: 1.0 |

@@ -68,3 +68,20 @@ def test_the_first_steps_memory_is_measured_without_changing_it():
     total = meter.total
     _step(model, batches)
     assert meter.total == total  # the hooks went with the step
+
+
+def test_the_start_up_lines_name_context_and_expert_parallel_ranks_as_such():
+    """A context-parallel rank is not labelled a data-parallel one (Layout's dp_rank counts both),
+    and the note of a run without tensor parallelism names the experts' split and the context ranks."""
+    from megatron_slapo.training.plan import describe_ranks
+
+    split = Layout(0, 1, 0, 1, 1, None, cp_rank=1, cp_size=2, data_rank=0)
+    assert split.coordinates() == ("(tensor, pipeline, data, context)", (0, 0, 0, 1))
+    assert Layout(0, 2, 1, 2, 3, None).coordinates() == ("(tensor, pipeline, data)", (0, 1, 3))
+    ep = parse_args("gpt", ["--model-type", "qwen3_moe", "--num-experts", "4", "--expert-model-parallel-size", "2"])
+    validate_args(ep, 2)
+    assert describe_ranks(ep) == ("2 data-parallel ranks, the routed experts split over 2 expert-parallel ranks out "
+                                  "of the data-parallel ones")  # fmt: skip
+    cp = parse_args("gpt", ["--model-type", "llama", "--context-parallel-size", "2"])
+    validate_args(cp, 4)
+    assert describe_ranks(cp) == "2 data-parallel x 2 context-parallel ranks"

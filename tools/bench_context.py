@@ -50,7 +50,7 @@ MODEL = ["--model-type", "llama", "--schedule", "llama_tp", "--num-layers", "2",
          "--log-interval", "1"]  # fmt: skip  # no dropout (as Llama's pretraining): every layout computes the same
 MODEL_TEXT = "Llama, 2 layers, hidden 64, 4 heads in 2 key/value groups, no dropout, llama_tp, micro-batch 1, fp32"
 
-RANK_MEMORY = re.compile(r"> rank (\d+) \(tensor, pipeline, data\) = \([\d, ]+\): activations ([\d.]+) MiB "
+RANK_MEMORY = re.compile(r"> rank (\d+) \(tensor, pipeline, data(?:, context)?\) = \([\d, ]+\): activations ([\d.]+) MiB "
                          r"per micro-batch \| peak ([\d.]+) MiB")  # fmt: skip
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+)")
 LOSS = re.compile(r"\| lm loss: ([-+\d.Ee]+) \|")

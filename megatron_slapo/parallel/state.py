@@ -247,5 +247,13 @@ class Layout:
             data_rank=ps.get_data_parallel_rank(),
         )  # fmt: skip
 
+    def coordinates(self) -> tuple[str, tuple[int, ...]]:
+        """How the start-up and memory lines name this rank's place: ``(tensor, pipeline, data)``,
+        and the context-parallel rank beside the data-parallel one when the sequence is split
+        (``dp_rank`` counts both there, so it would label a context-parallel rank as data-parallel)."""
+        if self.cp_size > 1:
+            return "(tensor, pipeline, data, context)", (self.tp_rank, self.pp_rank, self.data_rank, self.cp_rank)
+        return "(tensor, pipeline, data)", (self.tp_rank, self.pp_rank, self.dp_rank)
+
     def rank_dir(self) -> str:
         return f"mp_rank_{self.tp_rank:02d}" + (f"_{self.pp_rank:03d}" if self.pp_size > 1 else "")

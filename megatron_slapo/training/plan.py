@@ -210,15 +210,28 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     for path in pipeline_cuts(config, layers, stages):
         sch[path].cut_pipeline_stage()
     if layout.tp_size == 1 and shards and world > 1:
-        ranks = f"{args.data_parallel_size} data-parallel" + (
-            f" x {layout.pp_size} pipeline" if layout.pp_size > 1 else ""
-        )
         print_rank_0(f" > note: --schedule {settings.schedule} shards over --tensor-model-parallel-size 1, i.e. not at "
-                     f"all; the {world} ranks are {ranks} ranks")  # fmt: skip
+                     f"all; the {world} ranks are {describe_ranks(args)}")  # fmt: skip
     shape = megatron_shape(config, tp)
     recorded = {**settings.arguments(args), **(data.arguments() if data else {}), **asdict(shape)}
     return Plan(args, settings, task, config, layout, sch, stages, datasets, model_class, metadata_vocab, resume_path,
                 started, data.vocab if data else None, shape, recorded, checkpoint, tied_weights(model))  # fmt: skip
+
+
+def describe_ranks(args: argparse.Namespace) -> str:
+    """What the ranks of a run without tensor parallelism are, for the start-up note: data-parallel,
+    context-parallel (which read the same batches) and pipeline ranks, and the expert-parallel
+    split carved out of the data-parallel ones."""
+    ranks = [f"{args.data_parallel_size} data-parallel"]
+    if args.context_parallel_size > 1:
+        ranks.append(f"{args.context_parallel_size} context-parallel")
+    if args.pipeline_model_parallel_size > 1:
+        ranks.append(f"{args.pipeline_model_parallel_size} pipeline")
+    described = " x ".join(ranks) + " ranks"
+    ep = args.expert_model_parallel_size
+    if ep > 1:
+        described += f", the routed experts split over {ep} expert-parallel ranks out of the data-parallel ones"
+    return described
 
 
 def language_task(args: argparse.Namespace, settings: RunSettings, hf_config: Any,

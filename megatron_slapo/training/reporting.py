@@ -84,14 +84,14 @@ def memory_stats() -> dict[str, float]:
     return {"mem-max-rss-bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
-def log_engine_memory(report: dict[str, int], coordinates: tuple[int, int, int]) -> None:
+def log_engine_memory(report: dict[str, int], layout: Layout) -> None:
     """Print every rank's parameter, gradient and optimizer bytes (from rank 0, in rank order)."""
     rows: list = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, (coordinates, report))
+    dist.all_gather_object(rows, (layout.coordinates(), report))
     if dist.get_rank() == 0:
-        for rank, ((tp, pp, dp), r) in enumerate(rows):
+        for rank, ((names, place), r) in enumerate(rows):
             mib = {k: v / MiB for k, v in r.items()}
-            print(f" > rank {rank} (tensor, pipeline, data) = ({tp}, {pp}, {dp}): parameters {mib['params']:.2f} MiB "
+            print(f" > rank {rank} {names} = {place}: parameters {mib['params']:.2f} MiB "
                   f"| gradients {mib['grads']:.2f} MiB | optimizer {mib['optimizer']:.2f} MiB", flush=True)  # fmt: skip
 
 
@@ -146,11 +146,11 @@ class Reporter:
         rank order (beside the engine's report at start), written to TensorBoard by the last rank."""
         layout = Layout.current()
         rows: list = [None] * dist.get_world_size()
-        dist.all_gather_object(rows, ((layout.tp_rank, layout.pp_rank, layout.dp_rank), measured))
+        dist.all_gather_object(rows, (layout.coordinates(), measured))
         if dist.get_rank() == 0:
             print(f" > memory measured in iteration {iteration} (peak: {measured.peak_source}):", flush=True)
-            for rank, ((tp, pp, dp), m) in enumerate(rows):
-                print(f" > rank {rank} (tensor, pipeline, data) = ({tp}, {pp}, {dp}): activations "
+            for rank, ((names, place), m) in enumerate(rows):
+                print(f" > rank {rank} {names} = {place}: activations "
                       f"{m.activations / MiB:.2f} MiB per micro-batch | peak {m.peak / MiB:.2f} MiB", flush=True)  # fmt: skip
         if self.writer:
             for rank, (_, m) in enumerate(rows):

@@ -63,7 +63,7 @@ def setup(args: argparse.Namespace) -> Run:
     metadata = checkpointing.export_metadata(tensors, plan.model_class, settings.task, config, plan.vocab,
                                              plan.metadata_vocab, args.tensor_model_parallel_size, plan.tied)  # fmt: skip
     engine = ENGINES[args.engine](model, args, layout.dp_group, tp_group, plan.shape)
-    log_engine_memory(engine.memory_report(), (layout.tp_rank, layout.pp_rank, layout.dp_rank))
+    log_engine_memory(engine.memory_report(), layout)
     if args.bf16 or args.fp16:
         dtype = "bf16" if args.bf16 else "fp16"
         print_rank_0(f"> --{dtype} on --engine {args.engine}: {engine.MIXED_PRECISION[dtype]}")

@@ -110,7 +110,7 @@ class HeldBytes:
         return {"params": _bytes(weights), "grads": _bytes(self.grads), "optimizer": _bytes([*state, *masters])}
 
 
-_LOGGED = re.compile(r" > rank (\d+) \(tensor, pipeline, data\) = \(\d+, \d+, \d+\): "
+_LOGGED = re.compile(r" > rank (\d+) \(tensor, pipeline, data(?:, context)?\) = \([\d, ]+\): "
                      r"activations ([\d.]+) MiB per micro-batch \| peak ([\d.]+) MiB")  # fmt: skip
 
 
