@@ -74,11 +74,13 @@ def test_library_example_trains():
 
 def test_the_benchmark_runs_every_schedule_both_ways():
     """tools/bench_collectives.py on a tiny model: one row per schedule; the shipped plans all-reduce less
-    than one reduction per projection does, except GPT-2's (fused q|k|v already), never more."""
+    than one reduction per projection does, except GPT-2's (fused q|k|v already), never more. No
+    config has a special token outside the small vocabulary (transformers would warn of it)."""
     proc = run(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tools/bench_collectives.py",
                "--hidden-size", "32", "--num-layers", "2", "--num-attention-heads", "4", "--seq-length", "16",
                "--vocab-size", "128", "--warmup", "0", "--steps", "1")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "_token_id" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
     rows = {cells[1].strip(): cells for line in proc.stdout.splitlines() if (cells := line.split("|"))[1:2]
             and cells[1].strip().endswith("_tp")}  # fmt: skip
     assert sorted(rows) == ["bert_tp", "gpt_neo_tp", "gpt_tp", "llama_tp", "opt_tp"], proc.stdout
@@ -89,12 +91,14 @@ def test_the_benchmark_runs_every_schedule_both_ways():
 
 @pytest.mark.slow
 def test_the_benchmark_times_a_recipe_against_hf_eager_in_one_run(tmp_path):
-    """tools/bench.py --grid tiny: one row, both sides timed in the same run; JSON and PNG written."""
+    """tools/bench.py --grid tiny: one row, both sides timed in the same run; JSON and PNG written; no
+    special token outside the tiny vocabulary (transformers would warn of it)."""
     require_compiler()  # its recipe, gpt_fused, compiles every layer
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     proc = run(sys.executable, "tools/bench.py", "--grid", "tiny", "--warmup", "2", "--steps", "2", "--json", str(out),
                "--plot", str(png))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "_token_id" not in proc.stdout + proc.stderr, proc.stderr[-2000:]
     (row,) = json.loads(out.read_text())
     assert row["recipe"] == "gpt_fused" and row["dtype"] == "fp32"
     assert len(row["hf"]["step_ms_all"]) == len(row["scheduled"]["step_ms_all"]) == 2

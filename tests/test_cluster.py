@@ -92,6 +92,32 @@ def test_the_job_reads_the_trainers_last_flags_and_the_time_left():
     assert _bash("squeue() { echo UNLIMITED; }; minutes_left", SLURM_JOB_ID="5", TIME_LIMIT_MIN="240") == "240"
 
 
+def test_a_flag_after_the_scripts_name_replaces_its_value():
+    """Trainer flags given after the script's name replace the script's own values of those flags
+    where they stood, a --data-path blend whole and --flag=value alike, rather than following them
+    on the command line (where the dry run showed both); a flag the script lacks goes at the end."""
+    env = _env(SLURM_JOB_NODELIST="gpu1", SLURM_JOB_ID="1")
+    overrides = ["--train-iters", "100", "--data-path", "0.3", "A", "0.7", "B", "--lr=0.001", "--save", "mine",
+                 "--seed", "7"]  # fmt: skip
+    proc = subprocess.run(["bash", "examples/slurm/pretrain_gpt.sbatch", "--dry-run", *overrides], cwd=ROOT, env=env,
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    argv = shlex.split(proc.stdout.splitlines()[0].split(" ", 1)[1])
+    trainer = argv[argv.index("pretrain_gpt.py") + 1 :]
+    flags = [word.split("=")[0] for word in trainer if word.startswith("--")]
+    assert len(flags) == len(set(flags)), trainer
+    at = trainer.index("--data-path")
+    assert trainer[at : at + 6] == ["--data-path", "0.3", "A", "0.7", "B", "--tokenizer-type"]
+    assert trainer[trainer.index("--global-batch-size") + 2 : trainer.index("--lr=0.001") + 1] == [
+        "--train-iters", "100", "--lr=0.001"
+    ]  # fmt: skip
+    assert trainer[-2:] == ["--seed", "7"]
+    args = parse_args("gpt", trainer)
+    assert (args.train_iters, args.lr, args.save, args.seed) == (100, 0.001, "mine", 7)
+    assert args.data_path == ["0.3", "A", "0.7", "B"] and args.load == "checkpoints/gpt2-345m"
+    words = "one_value_per_flag lead --a 1 --b --a=2 --c x y --b | tr '\\0' ' '"
+    assert _bash(words) == "lead --a=2 --b --c x y"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

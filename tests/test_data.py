@@ -104,6 +104,34 @@ def test_cased_wordpiece_keeps_capitals(corpus):
     assert tok.detokenize(data[0].tolist()) == "The quick brown fox jumps over the lazy dog."
 
 
+@pytest.mark.parametrize(
+    "kind, tokenizer_type, files",
+    [
+        ("bpe", "GPT2BPETokenizer", ("vocab.json", "merges.txt")),
+        ("wordpiece", "BertWordPieceLowerCase", ("vocab.txt",)),
+    ],
+)
+def test_train_tokenizer_says_when_the_corpus_gives_fewer_tokens(corpus, tmp_path, capsys, kind, tokenizer_type, files):
+    """A --vocab-size the small corpus cannot fill: one note says how many tokens it gave, and the
+    summary states the real size (the tokenizer Megatron builds from the files), not the one asked
+    for; a size the corpus does fill gets no note."""
+    _, path = corpus
+    train_tokenizer.main(["--input", path, "--type", kind, "--vocab-size", "32768", "--output-dir",
+                          str(tmp_path / "big")])  # fmt: skip
+    real = build_tokenizer(tokenizer_type, *(str(tmp_path / "big" / f) for f in files)).vocab_size
+    assert real < 32768
+    out = capsys.readouterr().out
+    note = [line for line in out.splitlines() if line.startswith("note:")]
+    assert note == [
+        f"note: the corpus gives {real:,} tokens, fewer than --vocab-size 32768: the tokenizer has {real:,}"
+    ]
+    assert f"trained a {real:,}-token vocabulary; use: --tokenizer-type {tokenizer_type}" in out
+    train_tokenizer.main(["--input", path, "--type", kind, "--vocab-size", str(real - 10), "--output-dir",
+                          str(tmp_path / "small")])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "note:" not in out and f"trained a {real - 10:,}-token vocabulary" in out
+
+
 def test_split_sentences():
     assert split_sentences('He said "stop." Then he left! Dr. Smith? yes. 3 cats.\nNew line') == [
         'He said "stop."', "Then he left!", "Dr.", "Smith? yes.", "3 cats.", "New line",

@@ -240,6 +240,21 @@ def test_what_the_commands_write_in_the_repository_is_ignored_by_git(tmp_path):
     assert [line for line in proc.stdout.splitlines() if line.startswith("::")] == [], proc.stdout
 
 
+def test_the_results_files_docs_autotune_names_are_ignored_by_git():
+    """docs/autotune.md (not among the cases above) has the tuner write ``--results FILE`` in the
+    repository root: git ignores those files there, and only there (the page's own records under
+    docs/benchmarks/ stay tracked)."""
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    written = sorted(set(re.findall(r"--results ([\w./-]+)", (ROOT / "docs" / "autotune.md").read_text())))
+    assert "tuned.jsonl" in written, written
+    recorded = [str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "benchmarks").rglob("*.jsonl")]
+    proc = subprocess.run(["git", "check-ignore", "--no-index", "--verbose", "--non-matching", *written, *recorded],
+                          cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    not_ignored = sorted(line.split("\t")[1] for line in proc.stdout.splitlines() if line.startswith("::"))
+    assert not_ignored == sorted(recorded), proc.stdout
+
+
 def test_an_entry_point_started_by_a_python_without_torch_reruns_with_the_venv():
     """``python3 tools/....py`` (a system Python: no torch) re-executes under ``.venv/bin/python``."""
     python = shutil.which("python3", path=venv_free_env()["PATH"])

@@ -84,7 +84,8 @@ LLAMA_1B = (("hidden_size", 2048), ("intermediate_size", 5632), ("num_hidden_lay
             ("num_attention_heads", 32), ("num_key_value_heads", 8), ("vocab_size", 32000))  # fmt: skip
 LLAMA_SMALL = (("hidden_size", 768), ("intermediate_size", 2048), ("num_hidden_layers", 4),
                ("num_attention_heads", 12), ("num_key_value_heads", 4), ("vocab_size", 32000))  # fmt: skip
-TINY = (("n_layer", 2), ("n_embd", 64), ("n_head", 4), ("vocab_size", 512))
+# End of text at id 0: GPT-2's default, 50256, lies outside the tiny vocabulary (transformers warns of it)
+TINY = (("n_layer", 2), ("n_embd", 64), ("n_head", 4), ("vocab_size", 512), ("bos_token_id", 0), ("eos_token_id", 0))
 
 GRIDS = {  # the issue's CPU config (2 cores), the GPU configs (one H100), a smoke test
     "cpu": [*(Row("gpt2 4L h768", "gpt2", GPT2_SMALL, 512, 2, recipe, dtype)

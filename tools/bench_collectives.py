@@ -40,14 +40,18 @@ from schedules import bert_tp, gpt_neo_tp, gpt_tp, llama_tp, opt_tp  # noqa: E40
 
 
 def _configs(a: argparse.Namespace) -> dict[str, tuple[transformers.PretrainedConfig, dict]]:
-    """schedule -> (HF config of the benchmarked size, its plan); dropout off, so both variants agree."""
+    """schedule -> (HF config of the benchmarked size, its plan); dropout off, so both variants agree.
+    GPT-2's and GPT-Neo's end-of-text token is id 0 here: their configs' default, 50256, lies outside
+    a --vocab-size below GPT-2's (transformers warns of it)."""
     h, n, heads, v, s = a.hidden_size, a.num_layers, a.num_attention_heads, a.vocab_size, a.seq_length
+    end_of_text = {"bos_token_id": 0, "eos_token_id": 0}
     return {
         "gpt_tp": (transformers.GPT2Config(vocab_size=v, n_positions=s, n_embd=h, n_layer=n, n_head=heads,
-                                           resid_pdrop=0, embd_pdrop=0, attn_pdrop=0), gpt_tp.PLAN),
+                                           resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, **end_of_text), gpt_tp.PLAN),
         "gpt_neo_tp": (transformers.GPTNeoConfig(vocab_size=v, max_position_embeddings=s, hidden_size=h, num_layers=n,
                                                  num_heads=heads, attention_types=[[["global"], n]], resid_dropout=0,
-                                                 embed_dropout=0, attention_dropout=0), gpt_neo_tp.PLAN),
+                                                 embed_dropout=0, attention_dropout=0, **end_of_text),
+                       gpt_neo_tp.PLAN),
         "opt_tp": (transformers.OPTConfig(vocab_size=v, max_position_embeddings=s, hidden_size=h, num_hidden_layers=n,
                                           ffn_dim=4 * h, num_attention_heads=heads, word_embed_proj_dim=h, dropout=0,
                                           attention_dropout=0), opt_tp.PLAN),

@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Iterator
 
-from megatron_slapo.data.tokenizer_training import train_bpe, train_wordpiece
+from megatron_slapo.data.tokenizer_training import saved_vocab_size, train_bpe, train_wordpiece
 
 
 def texts(path: str, key: str) -> Iterator[str]:
@@ -49,8 +49,14 @@ def main(argv: list[str] | None = None) -> None:
     else:
         files = train_wordpiece(corpus, args.vocab_size, args.output_dir, lowercase=not args.cased)
         kind = "BertWordPieceCase" if args.cased else "BertWordPieceLowerCase"
+    size = saved_vocab_size(files)
+    if size < args.vocab_size:  # the trainer stops silently when the corpus runs out of merges
+        print(
+            f"note: the corpus gives {size:,} tokens, fewer than --vocab-size {args.vocab_size}: "
+            f"the tokenizer has {size:,}"
+        )
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in files.items())
-    print(f"trained; use: --tokenizer-type {kind} {flags}")
+    print(f"trained a {size:,}-token vocabulary; use: --tokenizer-type {kind} {flags}")
 
 
 if __name__ == "__main__":

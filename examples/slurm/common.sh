@@ -1,5 +1,6 @@
 # Shared by the sbatch scripts beside it, which set JOB_NAME, NODES, GPUS_PER_NODE, TIME_LIMIT_MIN,
-# ENTRY and ARGS, then call run_job "$@" (extra arguments go to the trainer and override ARGS).
+# ENTRY and ARGS, then call run_job "$@" (extra arguments go to the trainer and replace the same
+# flags' values in ARGS: see one_value_per_flag).
 # Submit from the repository root:
 #
 #     sbatch examples/slurm/pretrain_gpt.sbatch
@@ -33,6 +34,34 @@ last_value() {
         shift
     done
     echo "$value"
+}
+
+# The arguments, NUL-separated (for read -d ''), with each flag once: where it first stands, with
+# the values of its last occurrence, the one argparse keeps. So a flag given after ARGS replaces
+# the default on the command line instead of following it there: the printed command then says
+# what the trainer runs with, and a multi-value flag (--data-path 0.3 A 0.7 B) is replaced whole.
+# A flag is a word "--NAME" or "--NAME=VALUE"; its values are the words up to the next flag.
+one_value_per_flag() {
+    local words=("$@") starts=() names=() i g name
+    local -A last=() printed=()
+    for ((i = 0; i < $#; i++)); do
+        if [[ ${words[i]} == --?* ]]; then
+            name=${words[i]%%=*}
+            last[$name]=${#starts[@]}
+            starts+=("$i")
+            names+=("$name")
+        elif ((${#starts[@]} == 0)); then
+            printf '%s\0' "${words[i]}"  # before any flag: kept as it is
+        fi
+    done
+    starts+=("$#")
+    for ((g = 0; g < ${#names[@]}; g++)); do
+        name=${names[g]}
+        [[ -z ${printed[$name]:-} ]] || continue
+        printed[$name]=1
+        i=${last[$name]}
+        printf '%s\0' "${words[@]:starts[i]:starts[i + 1] - starts[i]}"
+    done
 }
 
 has_flag() {
@@ -77,8 +106,10 @@ run_job() {
         echo "warning: the job ends in under ${EXIT_MARGIN_MIN:-10} minutes; the trainers stop after 1" >&2
         exit_minutes=1
     fi
-    local args=("${ARGS[@]}" --save "$ckpt" --load "$ckpt" --tensorboard-dir "$tb" --exit-signal-handler
-                --exit-duration-in-mins "$exit_minutes" ${extra[@]+"${extra[@]}"})
+    local args=() word
+    while IFS= read -r -d '' word; do args+=("$word"); done < <(one_value_per_flag "${ARGS[@]}" --save "$ckpt" \
+        --load "$ckpt" --tensorboard-dir "$tb" --exit-signal-handler --exit-duration-in-mins "$exit_minutes" \
+        ${extra[@]+"${extra[@]}"})
     ckpt=$(last_value --save "$ckpt" "${args[@]}")  # the trainer's, should the extra arguments give one
     local python=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
     local launch=("$python" tools/launch_node.py --nproc-per-node "$GPUS_PER_NODE")

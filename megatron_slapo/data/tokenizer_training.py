@@ -7,6 +7,7 @@ Outputs the files Megatron's tokenizer types read: ``vocab.json`` + ``merges.txt
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable
 
@@ -34,3 +35,14 @@ def train_wordpiece(texts: Iterable[str], vocab_size: int, out_dir: str, lowerca
     os.makedirs(out_dir, exist_ok=True)
     (vocab,) = tok.save_model(out_dir)
     return {"vocab_file": vocab}
+
+
+def saved_vocab_size(files: dict[str, str]) -> int:
+    """Number of tokens in the vocabulary ``train_bpe``/``train_wordpiece`` wrote (``files`` is what they
+    returned): the size Megatron's tokenizer will have. It can be smaller than the ``vocab_size`` asked
+    for, since training stops once the corpus has no more pairs to merge (or words to split)."""
+    path = files["vocab_file"]
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".json"):  # BPE: {token: id}
+            return len(json.load(f))
+        return sum(1 for _ in f)  # WordPiece: one token a line
