@@ -6,14 +6,20 @@ sch["transformer.h.0.mlp.c_fc"].sync("bwd_post", "all_reduce")
 model = build(sch)                        # materialise shard-locally
 """
 
+import sys
 import warnings
 
 # megatron-core warns on import that apex / Transformer Engine are missing; we use torch-native paths.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
-from megatron_slapo.compat.versions import check_versions  # noqa: E402
+from megatron_slapo.compat.versions import UnsupportedVersionError, check_versions  # noqa: E402
 
-check_versions()  # before the imports below: a private name they reach may be what an untested version lacks
+# Before the imports below: a private name they reach may be what an unsupported version lacks.
+# A refusal is one line, like every input error, rather than a traceback through the imports.
+try:
+    check_versions()
+except UnsupportedVersionError as e:
+    sys.exit(f"megatron_slapo: error: {e}")
 
 from megatron_slapo.build import build  # noqa: E402
 from megatron_slapo.errors import SchedulingError  # noqa: E402

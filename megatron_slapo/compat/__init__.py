@@ -5,9 +5,10 @@ bases), ``torch_internals`` (tensor, storage, operator, dispatch and profiler in
 ``fx`` (``MetaTracer``), ``distributed`` (c10d's group registry, the fake backend, collectives
 wrapped), ``megatron_cpu`` (megatron-core on a CPU-only torch), ``megatron_internals`` (its process
 groups), ``transformers_internals``, ``deepspeed_internals``, ``argparse_internals``. ``versions``
-holds the tested version ranges and the check that ``import megatron_slapo`` runs. Nothing else in
-the library, ``schedules/``, ``tools/`` or ``pretrain_*.py`` uses another package's private name
-(tests/test_compat.py lists any that does; the tests themselves may).
+holds the supported version ranges, the versions tested, and the check that ``import megatron_slapo``
+runs (refusing a version outside the ranges). Nothing else in the library, ``schedules/``,
+``tools/`` or ``pretrain_*.py`` uses another package's private name (tests/test_compat.py lists any
+that does; the tests themselves may).
 
 This is the lowest layer: it imports third-party packages and the standard library, nothing of ours.
 """

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from megatron_slapo.compat.deepspeed_internals import convert_to_zero_parameters, skip_shm_op_build
+from megatron_slapo.compat.versions import UnsupportedVersionError, check_versions
 from megatron_slapo.engines.base import (
     Batch,
     ModelShape,
@@ -87,7 +88,12 @@ class _MPU:
 
 
 def _import_deepspeed() -> Any:
-    """Import DeepSpeed without its shared-memory collective op, which would JIT-compile on CPU (~30 s)."""
+    """Import DeepSpeed without its shared-memory collective op, which would JIT-compile on CPU (~30 s),
+    after refusing a version outside the supported range (checked here: only this engine uses it)."""
+    try:
+        check_versions(["deepspeed"])
+    except UnsupportedVersionError as e:
+        raise ConfigError(f"--engine deepspeed: {e}") from e
     import deepspeed
 
     # DeepSpeed 0.19 calls collectives that torch 2.13 renamed; the warning is not actionable here.
