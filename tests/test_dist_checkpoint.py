@@ -2,7 +2,8 @@
 checkpoint refused in one line before training, nothing already saved modified.
 
 The checkpoint (iterations 1 and 2) is trained once, in-process, and copied for each case;
-resharding across layouts and engines is tests/test_reshard.py's (real launches).
+resharding across layouts and engines is tests/test_reshard.py's (real launches, the slow tier) and
+tests/distributed/test_engines.py's (one process's checkpoint at other layouts, the README's suite).
 """
 
 from __future__ import annotations

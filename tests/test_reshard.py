@@ -5,6 +5,10 @@ Each case is a real torchrun launch: the run that saves trains 14 iterations and
 later); a copy of iteration 6 is resumed at the other layout to iteration 14, and its losses of
 iterations 7-14 are compared with the saving run's. The vocabulary (the embedded corpus's 4096
 tokens) pads to the same rows at every layout, so the two runs are the same model.
+
+The README's suite keeps one such check without launches: one process's checkpoint resumed, in the
+distributed suite's ranks, at TP2, ZeRO-3, FSDP and TP2 x DP2 with the distributed optimizer
+(tests/distributed/test_engines.py).
 """
 
 from __future__ import annotations

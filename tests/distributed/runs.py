@@ -63,28 +63,36 @@ def single_process_losses(
 ) -> dict[int, float]:
     """The same run as one plain process (no torchrun), started by rank 0: the reference layout.
     ``other_kernels``: with torch's own convolution kernels, to measure what rounding alone moves."""
-    if dist.get_rank() == 0:
-        env = plain_env()
+
+    def run() -> str | None:
         script = os.path.join(ROOT, f"pretrain_{task}.py")
         runner = [sys.executable, "-c", _OTHER_KERNELS] if other_kernels else [sys.executable]
         cmd = [*runner, script, *argv, "--tensorboard-dir", tb]
-        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-    dist.barrier()
+        done = subprocess.run(cmd, env=plain_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+        return None if done.returncode == 0 else done.stderr[-3000:]
+
+    _assert_ran(first_rank_value(run))
     return first_rank_value(lambda: tb_scalars(tb, tag))
+
+
+def _assert_ran(error: str | None) -> None:
+    """On every rank (none left waiting for one that failed): the reference process's error, if any."""
+    assert error is None, error
 
 
 def single_process_batch(runs: list[tuple[str, list[str], str]], shared_tmp: str) -> None:
     """Each ``(task, argv, tb)`` of ``runs`` as :func:`single_process_losses` would run it, all in one
     plain process started by rank 0 (``reference_batch.py``: the imports paid once)."""
-    if dist.get_rank() == 0:
+
+    def run() -> str | None:
         listing = os.path.join(shared_tmp, f"reference-batch-{os.getpid()}-{len(runs)}.json")
         with open(listing, "w") as f:
             json.dump([[task, [*argv, "--tensorboard-dir", tb]] for task, argv, tb in runs], f)
         cmd = [sys.executable, os.path.join(ROOT, "tests", "distributed", "reference_batch.py"), listing]
         done = subprocess.run(cmd, env=plain_env(), cwd=ROOT, capture_output=True, text=True, timeout=60 * len(runs))
-        assert done.returncode == 0, done.stderr[-3000:]
-    dist.barrier()
+        return None if done.returncode == 0 else done.stderr[-3000:]
+
+    _assert_ran(first_rank_value(run))
 
 
 def reference_losses(
@@ -92,14 +100,15 @@ def reference_losses(
 ) -> Callable[[str], dict]:
     """``get(key)``: :func:`single_process_losses` of the run ``run_of(key)`` (task, argv), computed
     once per torchrun session, on first use; the first use of one of ``keys`` (those this session's
-    tests will ask for) runs all of them at once, in one process (:func:`single_process_batch`)."""
+    tests will ask for) runs all of them at once, in one process (:func:`single_process_batch`).
+    ``get(key, tag)``: another TensorBoard scalar of that run (``"grad-norm"``), per iteration."""
     found: dict[str, dict[int, float]] = {}
     batched = list(dict.fromkeys(keys))
 
     def tb(key: str) -> str:
         return os.path.join(shared_tmp, f"tb-reference-{key}")
 
-    def get(key: str) -> dict[int, float]:
+    def get(key: str, tag: str = "lm loss") -> dict[int, float]:
         if key in batched and key not in found:
             pending = [k for k in batched if k not in found]
             single_process_batch([(*run_of(k), tb(k)) for k in pending], shared_tmp)
@@ -108,9 +117,19 @@ def reference_losses(
         if key not in found:
             task, argv = run_of(key)
             found[key] = single_process_losses(task, argv, tb(key))
-        return found[key]
+        return found[key] if tag == "lm loss" else first_rank_value(lambda: tb_scalars(tb(key), tag))
 
     return get
+
+
+def asked(request: pytest.FixtureRequest, argname: str) -> list:
+    """The ``argname`` values of this session's tests (those ``-m``/``-k`` selected, not skipped for
+    another world size) that use the fixture ``request`` sets up, in its module: the references
+    worth computing together (the default tier's few, not the slow tier's many)."""
+    items = [item for item in request.session.items if item.module is request.module
+             and request.fixturename in item.fixturenames and not item.get_closest_marker("skip")]  # fmt: skip
+    params = [getattr(item, "callspec", None) for item in items]  # an unparametrized test has none
+    return [p.params[argname] for p in params if p is not None and argname in p.params]
 
 
 def layout_case(key: str, layout: str, world_sizes: tuple[int, ...], flags: list[str]) -> pytest.param:
@@ -127,9 +146,19 @@ def assert_parity(losses: dict[int, float], expected: dict[int, float], toleranc
     assert expected[steps] < expected[1] - 0.1
 
 
+def assert_grad_norm_parity(tb: str, expected: dict[int, float], tolerance: float) -> None:
+    """Every step's gradient norm (TensorBoard's ``grad-norm`` of the run written to ``tb``) within
+    ``tolerance``, relative, of the reference's: gradients reduced over the wrong ranks or with a
+    wrong factor show here, even where Adam's scale-invariant update hides a factor from the losses."""
+    norms = last_rank_value(lambda: tb_scalars(tb, "grad-norm"))
+    assert sorted(norms) == sorted(expected), (norms, expected)
+    worst = max(abs(norms[i] - expected[i]) / expected[i] for i in expected)
+    assert worst < tolerance, (worst, norms, expected)
+
+
 def random_batches(run, seed: int) -> list[dict]:
     """One step's micro-batches of random tokens (ids below 100) for the built ``run``
-    (``loop.setup``): as many as the global batch gives each data-parallel rank, drawn from
+    (``run.setup``): as many as the global batch gives each data-parallel rank, drawn from
     ``seed``, which a test makes differ between steps and data-parallel ranks."""
     import torch
 

@@ -9,20 +9,20 @@ masks depend on the layout.
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
 import transformers
 
-from megatron_slapo.checkpoints import checkpointing
+from megatron_slapo.checkpoints import checkpoint_files, checkpointing
 from megatron_slapo.engines.optimizer import local_part
 from tests.distributed.runs import (
     PARITY,
     assert_parity,
     layout_case,
     reference_losses,
-    single_process_losses,
     train_losses,
 )
 from tests.utils import require_compiler
@@ -36,6 +36,7 @@ MEGATRON = ["--engine", "megatron"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 FULL = ["--recompute-granularity", "full"]
 MODEL = [*PARITY, "--num-layers", "4"]  # 4 layers: 2 pipeline ranks x 2 virtual stages of one layer
+SAVED_AT = 5  # the GPT reference saves this iteration: resumed at other layouts, exported
 
 LAYOUTS = {  # name -> (world sizes, extra flags)
     "tp2": ((2,), TP2),
@@ -71,12 +72,19 @@ LAYOUTS = {  # name -> (world sizes, extra flags)
 }
 
 
+def _reference_checkpoint(shared_tmp: str) -> str:
+    return os.path.join(shared_tmp, "ck-reference-gpt")
+
+
 @pytest.fixture(scope="module")
 def reference(shared_tmp, cache):
-    """Single-process losses per task (and for ALBERT and RoBERTa), run in one process."""
+    """Single-process losses per task (and for ALBERT and RoBERTa), run in one process. GPT's run
+    saves its iteration 5 (torch_dist), which the reshard cases resume and the export cases convert."""
     runs = {**SCHEDULES, **ENCODERS}
+    saving = ["--save", _reference_checkpoint(shared_tmp), "--save-interval", str(SAVED_AT)]
     return reference_losses(shared_tmp, lambda key: ("gpt" if key == "gpt" else "bert",
-                                                     [*MODEL, *runs[key], "--data-cache-path", cache]), runs)  # fmt: skip
+                                                     [*MODEL, *runs[key], "--data-cache-path", cache,
+                                                      *(saving if key == "gpt" else [])]), runs)  # fmt: skip
 
 
 # torch.compile per layer under the sharded engines (their gathers and hooks stay outside the compiled
@@ -179,6 +187,39 @@ def test_zero0_from_a_deepspeed_config_trains_as_one_process(reference, shared_t
     assert_parity(losses, reference("gpt"), TOLERANCE)
 
 
+# The one-process GPT reference's iteration 5 (weights, Adam's moments and step count, the LR schedule)
+# resumed at another layout and engine: each reads its part of every tensor out of the saved whole ones
+RESHARDS = {
+    "tp2": ((2,), [*MEGATRON, *TP2]),  # split by TP: strided q|k|v, vocabulary-parallel rows, and their moments
+    "zero3-dp2": ((2,), [*ZERO, "3"]),  # DeepSpeed's partitions
+    "fsdp-dp2": ((2,), ["--engine", "fsdp"]),  # FSDP2's rows
+    "tp2-dp2-distopt": ((4,), [*MEGATRON, *TP2, "--use-distributed-optimizer"]),  # megatron-core's flat ranges
+}
+
+
+@pytest.mark.parametrize("flags", [pytest.param(flags, id=name, marks=pytest.mark.world_sizes(*sizes))
+                                   for name, (sizes, flags) in RESHARDS.items()])  # fmt: skip
+def test_a_one_process_checkpoint_resumes_at_another_layout_with_its_optimizer_state(flags, reference, shared_tmp,
+                                                                                      cache, request):  # fmt: skip
+    """One process's torch_dist checkpoint of iteration 5, loaded at this layout: iterations 6-10 give
+    the uninterrupted run's losses to 1e-5. A moment, the step count or the LR schedule not restored
+    (or read into the wrong elements) moves them by far more."""
+    expected = reference("gpt")  # the reference saved its checkpoint too
+    case = request.node.callspec.id
+    ck = os.path.join(shared_tmp, f"ck-reshard-{case}")
+    if dist.get_rank() == 0:  # iteration 5 alone (the reference saved 10 too)
+        saved = _reference_checkpoint(shared_tmp)
+        shutil.copytree(checkpointing.iteration_dir(saved, SAVED_AT), checkpointing.iteration_dir(ck, SAVED_AT))
+        with open(os.path.join(ck, checkpoint_files.LATEST), "w") as f:
+            f.write(str(SAVED_AT))
+    dist.barrier()
+    tb = os.path.join(shared_tmp, f"tb-reshard-{case}")
+    resumed = train_losses("gpt", [*MODEL, *SCHEDULES["gpt"], *flags, "--load", ck, "--data-cache-path", cache], tb)
+    assert sorted(resumed) == list(range(SAVED_AT + 1, 11)), resumed
+    worst = max(abs(resumed[i] - expected[i]) for i in resumed)
+    assert worst < TOLERANCE, (worst, resumed, expected)
+
+
 def _setup(argv: list[str]):
     from megatron_slapo.arguments.parser import parse_args
     from megatron_slapo.training.run import setup
@@ -245,25 +286,26 @@ def test_zero3_checkpoint_exports_deepspeeds_own_fp32_weights(shared_tmp, cache)
     "flags",
     [pytest.param(PP2, id="pp2"), pytest.param([*PP2, *TP2], id="tp2-pp2", marks=pytest.mark.world_sizes(4))],
 )
-def test_pipeline_checkpoint_exports_the_model_one_process_trains(flags, shared_tmp, cache, request):
+def test_pipeline_checkpoint_exports_the_model_one_process_trains(flags, reference, shared_tmp, cache, request):
     """Per-stage files (mp_rank_XX_YYY), merged by the converter, give the HF model that one plain
-    process trains with the same data. Compared by their logits: after three AdamW steps single
-    weights can differ by ~2e-5 (Adam's m / sqrt(v) turns fp32 reduction-order noise in near-zero
-    gradients into lr-sized steps), while the models agree to 5e-5 on logits of magnitude ~1."""
+    process trains with the same data (the GPT reference's iteration 5). Compared by their logits:
+    after a few AdamW steps single weights can differ by ~2e-5 (Adam's m / sqrt(v) turns fp32
+    reduction-order noise in near-zero gradients into lr-sized steps), while the models agree to
+    5e-5 on logits of magnitude ~1."""
     from megatron_slapo.training.loop import pretrain
     from tools import convert_checkpoint
 
+    reference("gpt")  # which saved its iteration 5 (torch_dist)
     name = request.node.callspec.id
-    run = [*MODEL, "--train-iters", "3", *SCHEDULES["gpt"], "--data-cache-path", cache]
-    ck, ref = os.path.join(shared_tmp, f"ck-export-{name}"), os.path.join(shared_tmp, f"ck-export-{name}-ref")
-    pretrain("gpt", [*run, *flags, "--save", ck, "--ckpt-format", "torch"])  # the reference saves torch_dist
-    single_process_losses("gpt", [*run, "--save", ref], os.path.join(shared_tmp, f"tb-export-{name}-ref"))
+    run = [*MODEL, *SCHEDULES["gpt"], "--data-cache-path", cache, "--exit-interval", str(SAVED_AT)]
+    ck, ref = os.path.join(shared_tmp, f"ck-export-{name}"), _reference_checkpoint(shared_tmp)
+    pretrain("gpt", [*run, *flags, "--save", ck, "--ckpt-format", "torch"])
     worst = None
     if dist.get_rank() == 0:
-        for path in (ck, ref):
-            convert_checkpoint.main(["to-hf", "--load", path, "--save-hf", path + "-hf"])
+        convert_checkpoint.main(["to-hf", "--load", ck, "--save-hf", ck + "-hf"])
+        convert_checkpoint.main(["to-hf", "--load", ref, "--iteration", str(SAVED_AT), "--save-hf", ck + "-ref-hf"])
         a = transformers.AutoModelForCausalLM.from_pretrained(ck + "-hf").eval()
-        b = transformers.AutoModelForCausalLM.from_pretrained(ref + "-hf").eval()
+        b = transformers.AutoModelForCausalLM.from_pretrained(ck + "-ref-hf").eval()
         assert a.state_dict().keys() == b.state_dict().keys()
         ids = torch.randint(0, a.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():

@@ -9,8 +9,9 @@ Weights, gradients and optimizer state are measured from the step's real tensors
 engine's parameters as stored here, of the gradients alive at the optimizer's step, of the
 optimizer's state after it), not from the engine's memory report, which explain's formulas share.
 
-Explain plans the run in one plain process over a fake process group; the measurement trains the
-same flags on these two ranks. Every rank checks its own numbers against its pipeline stage's estimate.
+Explain plans the run in one plain process over a fake process group (every case of the session in
+the same process, ``explain_batch.py``: the imports paid once); the measurement trains the same flags
+on these two ranks. Every rank checks its own numbers against its pipeline stage's estimate.
 """
 
 import json
@@ -21,7 +22,7 @@ import sys
 import pytest
 
 from tests.distributed.measure import measure
-from tests.distributed.runs import ROOT, TINY, first_rank_value, plain_env
+from tests.distributed.runs import ROOT, TINY, asked, first_rank_value, plain_env
 
 TP = ["--tensor-model-parallel-size", "2"]
 # qwen3_moe under --schedule auto, 4 experts (each token picks 2) of ffn 32 on hidden 64, 2 layers
@@ -55,12 +56,42 @@ SLOW_CASES = {  # the slow tier's (the README's suite stays within 20 minutes)
 TOLERANCE = 0.10
 
 
-def _explain(argv: list[str], out: str) -> dict:
-    cmd = [sys.executable, os.path.join(ROOT, "tools", "explain.py"), "--world-size", "2", "--json", out, *argv]
-    done = subprocess.run(cmd, env=plain_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    with open(out) as f:
-        return json.load(f)
+def _argv(case: str, shared_tmp: str, cache: str) -> list[str]:
+    """The trainer's flags of ``case``: 2 steps of TINY, the collectives counted."""
+    return [*TINY, "--schedule", "gpt_tp", "--train-iters", "2", "--eval-iters", "0", "--log-comm",
+            "--data-cache-path", cache, "--tensorboard-dir", os.path.join(shared_tmp, f"tb-explain-{case}"),
+            *{**CASES, **SLOW_CASES}[case]]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plans(shared_tmp, cache, request):
+    """``plan(case)``: tools/explain.py's JSON for ``case`` at world size 2; on first use, every case
+    this session runs is planned, by rank 0, in one plain process (``explain_batch.py``)."""
+    out = {case: os.path.join(shared_tmp, f"explain-{case}.json") for case in asked(request, "case")}
+
+    def run() -> str | None:
+        """On rank 0: plan every case; explain's error, if any."""
+        listing = os.path.join(shared_tmp, "explain-batch.json")
+        with open(listing, "w") as f:
+            json.dump([["--world-size", "2", "--json", path, *_argv(case, shared_tmp, cache)]
+                       for case, path in out.items()], f)  # fmt: skip
+        cmd = [sys.executable, os.path.join(ROOT, "tests", "distributed", "explain_batch.py"), listing]
+        done = subprocess.run(cmd, env=plain_env(), cwd=ROOT, capture_output=True, text=True, timeout=120 * len(out))
+        return None if done.returncode == 0 else done.stderr[-3000:]
+
+    errors: list[str | None] = []
+
+    def read(case: str) -> dict:
+        with open(out[case]) as f:
+            return json.load(f)
+
+    def plan(case: str) -> dict:
+        if not errors:
+            errors.append(first_rank_value(run))
+        assert errors[0] is None, errors[0]
+        return first_rank_value(lambda: read(case))
+
+    return plan
 
 
 def _close(estimated: float, measured: float, what: str) -> None:
@@ -72,11 +103,9 @@ def _is_close(estimated: float, measured: float) -> bool:
 
 
 @pytest.mark.parametrize("case", [*CASES, *(pytest.param(c, marks=pytest.mark.slow) for c in SLOW_CASES)])
-def test_explain_is_within_ten_percent_of_a_real_step(case, shared_tmp, cache):
-    argv = [*TINY, "--schedule", "gpt_tp", "--train-iters", "2", "--eval-iters", "0", "--log-comm",
-            "--data-cache-path", cache, "--tensorboard-dir", os.path.join(shared_tmp, f"tb-explain-{case}"),
-            *{**CASES, **SLOW_CASES}[case]]  # fmt: skip
-    plan = first_rank_value(lambda: _explain(argv, os.path.join(shared_tmp, f"explain-{case}.json")))
+def test_explain_is_within_ten_percent_of_a_real_step(case, plans, shared_tmp, cache):
+    argv = _argv(case, shared_tmp, cache)
+    plan = plans(case)
     measured = measure("gpt", argv)
     estimated = {tuple(r["coordinates"])[1]: r for r in plan["ranks"]}[measured["coordinates"][1]]
     held = measured["held"]  # the real tensors' bytes, counted without the formulas explain and the report share

@@ -35,9 +35,10 @@ from megatron_slapo.training.tasks import GPTTask
 from tests.distributed.conftest import use_layout
 from tests.utils import tiny_gpt2_config
 
-# The engine-level round trips; the trainer's resumes at another layout are tests/test_reshard.py's.
-# Both run in CI's slow tier (this file through tests/test_distributed.py's slow launch).
-pytestmark = pytest.mark.slow
+# The engine-level round trips; the trainer's resumes at another layout are test_engines.py's (one
+# process's checkpoint at ZeRO-3, among others) and tests/test_reshard.py's (launches, in the slow tier).
+# The README's suite runs DEFAULT's case; CI's slow tier the others (through tests/test_distributed.py's
+# slow launch).
 
 # An odd hidden size: parameters of odd length, so that ZeRO-3 pads its last partitions and
 # ZeRO-1/2's flat partitions split parameters at odd offsets.
@@ -47,6 +48,7 @@ FLAGS = ["--num-layers", "2", "--hidden-size", "33", "--num-attention-heads", "3
          "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--mock-data", "--tokenizer-type",
          "NullTokenizer", "--vocab-size", "127", "--engine", "deepspeed"]  # fmt: skip
 CASES = [(0, []), (0, ["--bf16"]), (1, []), (2, []), (2, ["--bf16"]), (3, []), (3, ["--bf16"])]
+DEFAULT = (2, [])  # the README's suite's case: flat partitions cut parameters at odd offsets
 
 
 def _engine(stage: int, flags: list[str], seed: int) -> DeepSpeedEngine:
@@ -121,7 +123,9 @@ def _misplaced_runs(engine: DeepSpeedEngine, rounded: torch.dtype) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("stage,flags", CASES, ids=[f"zero{s}{'-' if f else ''}{''.join(f)[2:]}" for s, f in CASES])
+@pytest.mark.parametrize("stage,flags", [
+    pytest.param(s, f, id=f"zero{s}{'-' if f else ''}{''.join(f)[2:]}", marks=[] if (s, f) == DEFAULT else [pytest.mark.slow])
+    for s, f in CASES])  # fmt: skip
 def test_a_snapshot_of_the_runs_resumes_the_same_training(stage, flags):
     """Engine A trains two steps; its runs and scalars are copied. B, another initialisation that
     has trained a step (ZeRO-3 keeps small weights gathered), loads the weights alone: its forward
@@ -159,6 +163,7 @@ def test_a_snapshot_of_the_runs_resumes_the_same_training(stage, flags):
     assert abs(wrong[1] - a_losses[1]) > 1e-4, (wrong, a_losses)
 
 
+@pytest.mark.slow
 def test_the_fp16_loss_scale_converts_to_megatron_cores_and_back():
     """DeepSpeed's dynamic loss scaler and megatron-core's (growth after 3 clean steps, halving
     after 2 overflows, floor 1), after a random run of clean and overflowing steps on one,

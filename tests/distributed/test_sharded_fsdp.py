@@ -20,9 +20,10 @@ from megatron_slapo.engines.fsdp import local_run
 from megatron_slapo.engines.sharded_state import WEIGHT
 from tests.distributed.runs import PARITY, TP2, random_batches
 
-# The engine-level round trips; the trainer's resumes at another layout are tests/test_reshard.py's.
-# Both run in CI's slow tier (this file through tests/test_distributed.py's slow launch).
-pytestmark = pytest.mark.slow
+# The engine-level round trips; the trainer's resumes at another layout are test_engines.py's (one
+# process's checkpoint at FSDP2, among others) and tests/test_reshard.py's (launches, in the slow tier).
+# The README's suite runs the fp32 round trip; CI's slow tier the rest (through tests/test_distributed.py's
+# slow launch).
 
 # 33 positions: the position embeddings' rows split 17 / 16, unevenly
 FSDP = [*PARITY, "--engine", "fsdp", "--lr-warmup-fraction", "0", "--max-position-embeddings", "33"]
@@ -72,6 +73,7 @@ def _tiles(extents: list[tuple[int, int]], numel: int) -> bool:
     return end == numel
 
 
+@pytest.mark.slow
 def test_the_runs_are_torch_chunk_rows_of_the_live_shards():
     """A (3, 4) weight splits 2 / 1 rows, a (1, 3) one 1 / 0 (an empty shard on rank 1): each rank's
     run is its rows of the whole tensor, the runs tile it, and writing into a run writes the weight."""
@@ -97,7 +99,8 @@ def test_the_runs_are_torch_chunk_rows_of_the_live_shards():
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "1024"]}
 
 
-@pytest.mark.parametrize("flags", PRECISIONS.values(), ids=PRECISIONS.keys())
+@pytest.mark.parametrize("flags", [pytest.param(flags, id=name, marks=[] if name == "fp32" else [pytest.mark.slow])
+                                   for name, flags in PRECISIONS.items()])  # fmt: skip
 def test_a_fresh_engine_loaded_from_the_state_trains_on_identically(cache, flags):
     """Engine A trains 2 steps, its state is copied, A trains 3 more. Engine B (another seed) loads
     the copy: it holds exactly the copy, and its next 2 losses are A's. Then B loads garbage and its
@@ -139,6 +142,7 @@ def test_a_fresh_engine_loaded_from_the_state_trains_on_identically(cache, flags
     assert not math.isclose(spoiled.metrics["lm loss"], expected[2].metrics["lm loss"], rel_tol=1e-3)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_shards_keep_their_partition(cache):
     """fully_shard replaces the parameters: Megatron's axis and stride of each tensor-parallel shard
     (gpt_tp on GPT-2: HF's Conv1D keeps its weight as (in, out), q|k|v interleaved by 3) survive it."""

@@ -20,9 +20,10 @@ import torch.distributed as dist
 
 from tests.distributed.runs import PARITY, random_batches
 
-# The engine-level round trips; the trainer's resumes at another layout are tests/test_reshard.py's.
-# Both run in CI's slow tier (this file through tests/test_distributed.py's slow launch).
-pytestmark = pytest.mark.slow
+# The engine-level round trips; the trainer's resumes at another layout are test_engines.py's (one
+# process's checkpoint at other layouts) and tests/test_reshard.py's (launches, in the slow tier).
+# The README's suite runs DEFAULT's case; CI's slow tier the others (through tests/test_distributed.py's
+# slow launch).
 
 CASES = {  # megatron-core's optimizers: FP32Optimizer, DistributedOptimizer, Float16OptimizerWithFloat16Params
     "dp2-fp32": [],
@@ -33,6 +34,7 @@ CASES = {  # megatron-core's optimizers: FP32Optimizer, DistributedOptimizer, Fl
     # two chunks per rank; the tied embeddings on both pipeline ranks
     "pp2-vpp2-tied": "--pipeline-model-parallel-size 2 --num-layers 4 --num-layers-per-virtual-pipeline-stage 1".split(),
 }
+DEFAULT = "dp2-fp32-distopt"  # the README's suite's case (each rank its flat range); the slow tier runs the rest
 
 
 def _setup(flags: list[str], seed: int, cache: str):
@@ -91,7 +93,8 @@ def _tiling(state) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("flags", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("flags", [pytest.param(flags, id=name, marks=[] if name == DEFAULT else [pytest.mark.slow])
+                                   for name, flags in CASES.items()])  # fmt: skip
 def test_a_reloaded_engine_trains_on_as_the_one_it_saved(flags, shared_tmp):
     cache = os.path.join(shared_tmp, "cache")
     a = _setup(flags, 1234, cache)
