@@ -230,6 +230,29 @@ def _parent_is_a_file(tmp_path: Path) -> str:
     return str(tmp_path / "notes.txt" / "plan.json")
 
 
+def _converted(tmp_path: Path) -> str:
+    """``_gpt2``'s model (1 layer of 16, 2 heads) as the checkpoint convert_checkpoint.py from-hf writes."""
+    from megatron_slapo import parallel
+    from tools import convert_checkpoint
+
+    try:
+        convert_checkpoint.main(["from-hf", "--load-hf", _gpt2(tmp_path, weights=True), "--save", str(tmp_path / "ck")])
+    finally:
+        parallel.destroy()
+    return str(tmp_path / "ck")
+
+
+def _trained(tmp_path: Path) -> str:
+    """A checkpoint of the SIZES model (2 layers of 32, 2 heads), as a training run saves it."""
+    from megatron_slapo import parallel
+
+    try:
+        pretrain("gpt", [*GPT, *SIZES, *TRAIN, "--save", str(tmp_path / "ck")])
+    finally:
+        parallel.destroy()
+    return str(tmp_path / "ck")
+
+
 LLAMA = ["--model-type", "llama", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "16"]  # fmt: skip
 BAD_INPUT: dict[str, tuple[str, Callable[[Path], list[str]], str]] = {
@@ -283,6 +306,53 @@ BAD_INPUT: dict[str, tuple[str, Callable[[Path], list[str]], str]] = {
                                            "--num-experts", "4"],
                                            "--model-type dots1 has no default number of experts per token: give "
                                            "--moe-router-topk"),
+    # a size flag the family has no place for, which the run would ignore
+    "query groups for GPT-2": ("pretrain_gpt.py", lambda t: [*GPT, *SIZES, *TRAIN, "--num-query-groups", "2"],
+                               "--num-query-groups 2: gpt2 has no grouped-query attention"),
+    "query groups for BERT": ("pretrain_bert.py", lambda t: [*GPT, *SIZES, *TRAIN, "--num-query-groups", "1"],
+                              "--num-query-groups 1: bert has no grouped-query attention"),
+    "query groups for GPT-NeoX": ("pretrain_gpt.py", lambda t: [*GPT, *SIZES, *TRAIN, "--model-type", "gpt_neox",
+                                  "--num-query-groups", "1"], "--num-query-groups 1: gpt_neox has no grouped-query "
+                                  "attention"),
+    "FFN width for GPT-BigCode": ("pretrain_gpt.py", lambda t: [*GPT, *SIZES, *TRAIN, "--model-type", "gpt_bigcode",
+                                  "--ffn-hidden-size", "64"], "--ffn-hidden-size 64: gpt_bigcode takes no FFN width "
+                                  "from the flags"),
+    "hidden dropout for Llama": ("pretrain_gpt.py", lambda t: [*GPT, *TRAIN, *LLAMA, "--hidden-dropout", "0.2"],
+                                 "--hidden-dropout 0.2: llama has no dropout on its hidden states"),
+    "positions for T5": ("pretrain_t5.py", lambda t: [*GPT, *SIZES, *TRAIN, "--decoder-seq-length", "8",
+                         "--max-position-embeddings", "32"], "--max-position-embeddings 32: t5 has no position "
+                         "embeddings"),
+    "size flag against an HF config": ("pretrain_gpt.py", lambda t: [*GPT, *TRAIN, "--hf-config", _gpt2(t),
+                                       "--num-layers", "2"], "--num-layers 2 contradicts --hf-config {t}/gpt2, whose "
+                                       "model has 1: drop it (the config shapes the model)"),
+    # a checkpoint of another model: the trainer and explain refuse it alike, before any compute
+    "load of another depth": ("pretrain_gpt.py", lambda t: ["--load", _trained(t), *GPT, *TRAIN,
+                              *_replace(SIZES, "--num-layers", "4")],
+                              "{t}/ck/iter_0000002 holds a model of 2 layers, this run builds 4: give --num-layers 2, "
+                              "or another --load"),
+    "explain: load of another depth and heads": ("explain.py", lambda t: ["--load", _trained(t), *GPT, *TRAIN,
+                                                 *_replace(_replace(SIZES, "--num-layers", "4"),
+                                                           "--num-attention-heads", "4")],
+                                                 "{t}/ck/iter_0000002 holds a model of 2 layers, this run builds 4: "
+                                                 "give --num-layers 2; holds a model of 2 attention heads, this run "
+                                                 "builds 4: give --num-attention-heads 2, or another --load"),
+    "explain: load of another width": ("explain.py", lambda t: ["--load", _trained(t), *GPT, *TRAIN,
+                                       *_replace(SIZES, "--hidden-size", "64")],
+                                       "{t}/ck/iter_0000002 holds model.transformer.wte.weight of shape (128, 32), "
+                                       "this model's is (128, 64): the checkpoint is of another model"),
+    "explain: load of a converted model with another depth": ("explain.py", lambda t: ["--load", _converted(t), *GPT,
+                                                              *TRAIN, "--use-checkpoint-args", "--num-layers", "2"],
+                                                              "--num-layers 2 contradicts --load {t}/ck, whose model "
+                                                              "has 1: drop it (the config shapes the model)"),
+    "checkpoint args without a checkpoint": ("pretrain_gpt.py", lambda t: [*GPT, *TRAIN, "--use-checkpoint-args",
+                                             "--load", str(t / "empty")],
+                                             "--use-checkpoint-args: --load {t}/empty holds no checkpoint to take the "
+                                             "model's flags from"),
+    "checkpoint args without --load": ("pretrain_gpt.py", lambda t: [*GPT, *SIZES, *TRAIN, "--use-checkpoint-args"],
+                                       "--use-checkpoint-args needs --load DIR"),
+    "checkpoint's positions exceeded": ("pretrain_gpt.py", lambda t: ["--load", _trained(t), *GPT, *TRAIN,
+                                        "--seq-length", "32"], "--seq-length 32 exceeds --max-position-embeddings 16 "
+                                        "(the checkpoint's, in --load)"),
     "explain: unknown flag": ("explain.py", lambda t: ["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     "explain: huge world": ("explain.py", lambda t: ["--world-size", "1000000"],
                             "--world-size 1000000 must lie between 1 and 65536"),

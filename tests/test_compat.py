@@ -43,6 +43,9 @@ OURS = {"megatron_slapo", "schedules", "tools", "tests"} | {p.stem for p in ROOT
 # Private names a subclass is meant to define: transformers' "adding a new model" guide has every
 # PreTrainedModel define _init_weights (calling it on another model is still compat's).
 HOOKS = {"_init_weights"}
+# The standard library's documented functions whose names begin with an underscore: public API, not
+# a private name (os._exit: leaving a process without the interpreter's shutdown, error_report.py).
+DOCUMENTED = {"os._exit"}
 
 
 def is_private(name: str) -> bool:
@@ -238,7 +241,7 @@ def private_uses(path: Path, own: set[str], label: str) -> list[str]:
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and not is_ours(node.module):
             private_module = any(map(is_private, node.module.split(".")))
             names = [f"{node.module}.{a.name}" for a in node.names if private_module or is_private(a.name)]
-        elif isinstance(node, ast.Attribute) and is_private(node.attr):
+        elif isinstance(node, ast.Attribute) and is_private(node.attr) and ast.unparse(node) not in DOCUMENTED:
             ours = node.attr in own or node.attr in members.get(id(node), ())
             names = [f".{node.attr}"] if _on_third_party(node, imports) or not ours else []
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in in_fstrings:

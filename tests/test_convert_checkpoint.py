@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,10 @@ from megatron_slapo.checkpoints import checkpointing, conversion, dist_checkpoin
 from megatron_slapo.checkpoints.checkpoint_files import LATEST, Resume, iteration_dir
 from megatron_slapo.models.vocabulary import Vocabulary, tied_weights, vocab_parameter_names
 from megatron_slapo.parallel.state import Layout
+from megatron_slapo.training.loop import pretrain
 from tools import convert_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIG = transformers.GPT2Config(vocab_size=100, n_positions=16, n_embd=16, n_layer=2, n_head=2)
 
@@ -99,8 +104,7 @@ def test_from_hf_writes_a_torch_dist_checkpoint_of_the_hf_tensors(hf_gpt, tmp_pa
     ck = tmp_path / "ck"
     convert(["from-hf", "--load-hf", str(hf_gpt), "--save", str(ck)])
     root = iteration_dir(str(ck), 0)
-    assert capsys.readouterr().out.endswith(f"wrote {root} (torch_dist: loads at any layout); train from it with "
-                                            f"--load {ck} --finetune (or --no-load-optim)\n")  # fmt: skip
+    assert f"wrote {root} (torch_dist: loads at any layout); train from it: " in capsys.readouterr().out
     assert dist_checkpoint.is_dist_checkpoint(root) and (ck / LATEST).read_text() == "0"
     common = dist_checkpoint.read_common(root)
     assert common["slapo"]["vocab"]["true"] == common["slapo"]["vocab"]["padded"] == 100  # not padded
@@ -109,6 +113,63 @@ def test_from_hf_writes_a_torch_dist_checkpoint_of_the_hf_tensors(hf_gpt, tmp_pa
     assert "model.lm_head.weight" not in saved and not any(k.startswith("optimizer.") for k in saved)
     convert(["to-hf", "--load", str(ck), "--save-hf", str(tmp_path / "back")])
     assert_same_model(hf_gpt, tmp_path / "back")
+
+
+def _printed_command(out: str) -> tuple[str, list[str]]:
+    """The trainer command a conversion printed: its task and its arguments."""
+    line = next(line for line in out.splitlines() if "pretrain_" in line)
+    words = shlex.split(line.split("train from it: ")[-1].split("resume with ")[-1])
+    script = next(i for i, word in enumerate(words) if word.startswith("pretrain_"))
+    return words[script].removeprefix("pretrain_").removesuffix(".py"), words[script + 1 :]
+
+
+def test_the_command_from_hf_prints_trains_on_your_data(hf_gpt, tmp_path, capsys):
+    """What from-hf prints runs: the checkpoint gives the model's flags (no size flag is given), and
+    a run on data of one's own adds the data flags the note asks for (and its length and batch)."""
+    ck = tmp_path / "ck"
+    convert(["from-hf", "--load-hf", str(hf_gpt), "--save", str(ck)])
+    out = capsys.readouterr().out
+    task, argv = _printed_command(out)
+    assert (task, argv) == ("gpt", ["--load", str(ck), "--use-checkpoint-args", "--finetune", "--lr", "1e-5"]), out
+    data = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--micro-batch-size", "2",
+            "--train-iters", "2", "--eval-iters", "0", "--log-interval", "1"]  # fmt: skip
+    state = pretrain(task, [*argv, *data, "--save", str(tmp_path / "tuned")])
+    parallel.destroy()
+    out = capsys.readouterr().out
+    assert state.iteration == 2 and f"loaded checkpoint {iteration_dir(str(ck), 0)} at iteration 0" in out
+    assert f"the model's flags from the checkpoint in --load {ck}: --hf-config {ck}" in out
+    convert(["to-hf", "--load", str(tmp_path / "tuned"), "--save-hf", str(tmp_path / "back")])
+    tuned = transformers.AutoConfig.from_pretrained(tmp_path / "back")
+    assert (tuned.n_layer, tuned.n_embd, tuned.n_head, tuned.n_positions) == (2, 16, 2, 16)  # hf_gpt's shape
+
+
+@pytest.mark.slow
+def test_the_command_from_hf_prints_runs_as_printed(hf_gpt, tmp_path, capsys):
+    """The printed command itself, from the repository root: one fine-tuning step on the embedded
+    corpus (its run's length, evaluation and folders the only flags added)."""
+    ck = tmp_path / "ck"
+    convert(["from-hf", "--load-hf", str(hf_gpt), "--save", str(ck)])
+    line = next(line for line in capsys.readouterr().out.splitlines() if "train from it: " in line)
+    command = shlex.split(line.split("train from it: ")[1])
+    short = ["--train-iters", "1", "--eval-iters", "0", "--log-interval", "1", "--data-cache-path", str(tmp_path / "cache"),
+             "--tensorboard-dir", str(tmp_path / "tb")]  # fmt: skip
+    done = subprocess.run([*command, *short], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "iteration        1/       1" in done.stdout
+
+
+def test_to_hf_writes_every_file_with_the_mode_the_umask_gives(dist_ck, tmp_path):
+    """safetensors writes through a temporary file of mode 0600; the export's files all get 0666 less
+    the umask, as its config files do."""
+    for umask, mode in ((0o022, 0o644), (0o027, 0o640)):
+        old = os.umask(umask)
+        try:
+            convert(["to-hf", "--load", str(dist_ck), "--save-hf", str(tmp_path / oct(umask))])
+        finally:
+            os.umask(old)
+        modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / oct(umask)).iterdir()}
+        assert "model.safetensors" in modes and set(modes.values()) == {mode}, modes
 
 
 def test_torch_and_torch_dist_convert_into_each_other(dist_ck, hf_gpt, tmp_path, capsys):

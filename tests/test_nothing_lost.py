@@ -210,6 +210,61 @@ def test_a_checkpoint_of_another_depth_says_so(ck, capsys):
                                          "--num-layers 2, or another --load")  # fmt: skip
 
 
+# -- a corruption no check at load can see: the run stops on its NaN steps and saves none of them --------------------
+
+# no data-loader workers: a run stopped mid-training leaves its loader to the test's traceback, whose workers take
+# seconds to join at teardown
+DIST_RUN = [*RUN[:-2], "--ckpt-format", "torch_dist", "--num-workers", "0"]
+
+
+@pytest.fixture(scope="module")
+def trained_dist(tmp_path_factory) -> Path:
+    """A torch_dist checkpoint of iteration 2."""
+    ck = tmp_path_factory.mktemp("trained-dist") / "ck"
+    pretrain("gpt", [*DIST_RUN, "--save", str(ck)])
+    parallel.destroy()
+    return ck
+
+
+def flip_exponent(root: Path, name: str) -> None:
+    """Flip a bit of the exponent of tensor ``name``'s middle element where the iteration ``root``
+    stores it (its shard file, at the offset DCP's metadata gives): a weight of about 1e-2 becomes
+    about 1e36, finite, so that the checks at load pass it."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+
+    storage = dcp.FileSystemReader(str(root)).read_metadata().storage_data
+    (where,) = [item for index, item in storage.items() if index.fqn == name]
+    path = root / where.relative_path
+    data = bytearray(path.read_bytes())
+    saved = bytes(data[where.offset : where.offset + where.length])
+    values = torch.load(io.BytesIO(saved), weights_only=True).flatten()
+    middle = values[values.numel() // 2 :][:1].numpy().tobytes()
+    assert saved.count(middle) == 1
+    data[where.offset + saved.index(middle) + 3] ^= 0x40  # little-endian fp32: its last byte holds the exponent
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize("iterations, streak", [(4, 2), (20, 5)], ids=["ends-first", "max-consecutive"])
+def test_a_corrupt_shard_without_checksums_stops_on_its_nan_steps_and_saves_none(iterations, streak, trained_dist,
+                                                                                  tmp_path, capsys):  # fmt: skip
+    """Its checksums deleted, the bit-flipped shard loads (with a note that it is not verified) and
+    every step is NaN and skipped: the run stops, after --max-consecutive-nan-iterations (5) of
+    them or where it would end, without saving (--save-interval 1) or evaluating that state."""
+    ck = Path(shutil.copytree(trained_dist, tmp_path / "ck"))
+    root = Path(iteration_dir(str(ck), 2))
+    (root / checkpoint_integrity.MANIFEST).unlink()
+    flip_exponent(root, "model.transformer.h.0.mlp.c_fc.weight")
+    argv = [*DIST_RUN, "--load", str(ck), "--save", str(ck), "--save-interval", "1", "--train-iters", str(iterations),
+            "--eval-iters", "1", "--eval-interval", "100"]  # fmt: skip
+    assert refused(argv, capsys, ck) == (
+        f"stopping at iteration {2 + streak}: {streak} consecutive iterations had a NaN/inf loss or gradient, every "
+        f"one since it resumed from iteration 2 of --load {ck}: that checkpoint may be corrupt (load an earlier "
+        "iteration); that state is not saved"
+    )
+
+
 # -- the converter ------------------------------------------------------------------------------------------------
 
 

@@ -1,7 +1,9 @@
-"""What a run reports about itself: its TensorBoard directory named by what ran, and the memory
-of its first step measured as explain estimates it (training/reporting.py, training/memory.py)."""
+"""What a run reports about itself: its TensorBoard directory named by what ran (and kept by the
+run that resumes it), and the memory of its first step measured as explain estimates it
+(training/reporting.py, training/memory.py)."""
 
 import re
+import time
 
 import torch
 from torch import nn
@@ -37,6 +39,30 @@ def test_a_run_without_tensorboard_dir_is_named_by_what_ran():
             "--vocab-size", "128", "--train-iters", "2", "--num-layers", "2", "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", "32"]  # fmt: skip
     assert _directory("gpt", data, 1, ModelShape(2, 64, 4)) is None  # a run on its own data: as Megatron, none
+
+
+def test_a_resumed_run_writes_on_in_the_tensorboard_folder_of_the_run_it_resumes(tmp_path, monkeypatch):
+    """The embedded run's default folder (``runs/<name>/<time>``, under the working directory) is
+    recorded in its checkpoint; the run that resumes it, a second later, writes its steps there."""
+    from megatron_slapo import parallel
+    from megatron_slapo.training.loop import pretrain
+    from tests.utils import tb_scalars
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+            "--micro-batch-size", "2", "--log-interval", "1", "--eval-iters", "0", "--data-cache-path",
+            str(tmp_path / "cache"), "--save", "ck"]  # fmt: skip
+    pretrain("gpt", [*argv, "--train-iters", "2"])
+    parallel.destroy()
+    (folder,) = (tmp_path / "runs").glob("*/*")
+    time.sleep(1.1)  # a new folder would have another name
+    pretrain("gpt", [*argv, "--train-iters", "4", "--load", "ck"])
+    parallel.destroy()
+    assert list((tmp_path / "runs").glob("*/*")) == [folder] and len(list(folder.glob("events.out.*"))) == 2
+    assert sorted(tb_scalars(str(folder), "lm loss")) == [1, 2, 3, 4]  # one curve, its steps going on
+    pretrain("gpt", [*argv, "--train-iters", "5", "--load", "ck", "--tensorboard-dir", "mine"])  # as Megatron:
+    assert sorted(tb_scalars("mine", "lm loss")) == [5]  # a folder given is the one written
+    assert sorted(tb_scalars(str(folder), "lm loss")) == [1, 2, 3, 4]
 
 
 def _micro_batches() -> list[torch.Tensor]:

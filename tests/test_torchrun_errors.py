@@ -65,6 +65,42 @@ def test_a_clean_exit_leaves_no_error_file(plain_process, monkeypatch, tmp_path)
     assert not (tmp_path / "error.json").exists()
 
 
+class _Ended(Exception):
+    """Raised by the stand-in for ``exit_now``, which would end the test's process."""
+
+
+def test_the_entry_point_ends_at_once_after_an_error_or_a_bug(plain_process, monkeypatch, capsys):
+    """Not through the interpreter's shutdown, which tears gloo's threads down while they run
+    ("terminate called without an active exception": SIGABRT, not the status)."""
+    from megatron_slapo.training import loop
+
+    statuses = []
+
+    def exit_now(code):
+        statuses.append(code)
+        raise _Ended
+
+    monkeypatch.setattr(error_report, "exit_now", exit_now)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--micro-batch-size", "0"])
+    with pytest.raises(_Ended):
+        loop.main("gpt")
+    monkeypatch.setattr(loop, "pretrain", lambda task: {}["a bug"])
+    with pytest.raises(_Ended):
+        loop.main("gpt")
+    assert statuses == [2, 1]
+    err = capsys.readouterr().err
+    assert "pretrain_gpt.py: error: --micro-batch-size 0 must be >= 1" in err and "KeyError: 'a bug'" in err
+
+
+@pytest.mark.parametrize("code, status, said", [(2, 2, ""), ("prog.py: error: gone", 1, "prog.py: error: gone\n")])
+def test_exit_now_keeps_what_was_printed_and_ends_with_the_status(code, status, said):
+    script = ("import sys; from megatron_slapo.training.error_report import exit_now; print('out', end=''); "
+              f"sys.stderr.write('err '); exit_now({code!r})")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env(), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert (done.returncode, done.stdout) == (status, "out") and done.stderr.endswith(f"err {said}"), done.stderr
+
+
 def test_a_peers_death_is_one_line_and_exit_1(plain_process, capsys):
     with pytest.raises(SystemExit) as exit_info, error_report.lost_peers("prog.py"):
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:6054. GLHF!")
@@ -139,12 +175,39 @@ def test_under_torchrun_a_bad_flag_is_one_line_and_the_root_cause(tmp_path):
     assert "To enable traceback" not in text and no_traceback_of_ours(text), text[-4000:]
 
 
+TINY = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "1",
+        "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0",
+        "--lr", "1e-3"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_corrupt_checkpoint_is_one_line_and_no_rank_aborts(tmp_path):
+    """One such run in four ended with "terminate called without an active exception" (SIGABRT)
+    on rank 0 after the line: the interpreter's shutdown tore gloo's threads down. Each rank now
+    ends at once with the status (2), unless torchrun stopped it first (SIGTERM)."""
+    from megatron_slapo.training.loop import pretrain
+
+    ck = tmp_path / "ck"
+    pretrain("gpt", [*TINY, "--train-iters", "1", "--save", str(ck), "--data-cache-path", str(tmp_path)])
+    shard = ck / "iter_0000001" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(data)
+    cmd = torchrun(*TINY, "--train-iters", "2", "--load", str(ck), "--data-cache-path", str(tmp_path))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    lines = [line for line in text.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
+    assert len(lines) == 1 and f"checkpoint file {shard} is corrupt" in lines[0], text[-4000:]
+    assert "terminate called" not in text and "SIGABRT" not in text, text[-4000:]
+    statuses = re.findall(r"exitcode\s*: (-?\d+)", text)
+    assert statuses and set(statuses) <= {"2", "-15"}, text[-4000:]
+
+
 @pytest.mark.slow
 def test_under_torchrun_a_killed_rank_is_one_line_on_the_survivor(tmp_path):
-    args = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--num-layers", "1",
-            "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2",
-            "--global-batch-size", "4", "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0",
-            "--lr", "1e-3", "--train-iters", "1000000", "--data-cache-path", str(tmp_path)]  # fmt: skip
+    args = [*TINY, "--train-iters", "1000000", "--data-cache-path", str(tmp_path)]
     log = tmp_path / "out.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(torchrun(*args), cwd=ROOT, env=env(), stdout=out, stderr=subprocess.STDOUT)

@@ -38,7 +38,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from megatron_slapo.arguments.parser import parse_args  # noqa: E402
-from megatron_slapo.checkpoints import checkpointing, dist_checkpoint  # noqa: E402
+from megatron_slapo.checkpoints import checkpointing, dist_checkpoint, saved_model  # noqa: E402
 from megatron_slapo.checkpoints.checkpoint_files import iteration_dir  # noqa: E402
 from megatron_slapo.parallel.collectives import comm_device  # noqa: E402
 from megatron_slapo.training import error_report  # noqa: E402
@@ -65,7 +65,7 @@ def _load(run: Run, fmt: str, save_dir: str) -> None:
     args = run.args
     args.load, args.ckpt_format = save_dir, fmt
     path = checkpointing.checkpoint_file(save_dir, run.layout, fmt)
-    state = checkpointing.read_checked(args, run.layout, path, args.num_layers)
+    state = checkpointing.read_checked(args, run.layout, path, saved_model.hf_config(run.metadata))
     checkpointing.load(run.engine, args, run.layout, path, state, run.metadata)
 
 

@@ -8,7 +8,9 @@ To HF (one process, no torchrun, either format; TP shards merged, the vocabulary
 
     python tools/convert_checkpoint.py to-hf --load checkpoints/gpt --save-hf hf-gpt [--iteration N]
 
-From HF, an iteration-0 checkpoint to train from (``--load DIR --finetune``): ``torch_dist`` in one
+From HF, an iteration-0 checkpoint to train from (``--load DIR --use-checkpoint-args --finetune``: the
+checkpoint gives the model's flags; the trainer's command is printed, as by every direction that
+writes a checkpoint): ``torch_dist`` in one
 process (it loads at any layout), or ``torch`` at one tensor-parallel size, one process per rank::
 
     python tools/convert_checkpoint.py from-hf --load-hf hf-gpt --save checkpoints/gpt
@@ -33,7 +35,9 @@ if __name__ == "__main__":  # a Python without torch re-runs this with the repo'
 
 import argparse
 import os
+import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 import safetensors
@@ -52,7 +56,9 @@ from megatron_slapo.parallel.agreement import agreed_errors
 from megatron_slapo.parallel.state import Layout
 from megatron_slapo.training.model import auto_class, check_channels, check_divisible
 
+ROOT = Path(__file__).resolve().parents[1]
 HF_WEIGHTS = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+FINETUNE_LR = "1e-5"  # the learning rate of the fine-tuning command printed after from-hf
 
 
 def check_target(flag: str, path: str) -> None:
@@ -86,11 +92,25 @@ def to_hf(args: argparse.Namespace) -> None:
     check_target("--save-hf", args.save_hf)
     source = conversion.read(args.load, args.iteration)
     model = conversion.hf_model(source)
+    there = set(os.listdir(args.save_hf)) if os.path.isdir(args.save_hf) else set()
     model.save_pretrained(args.save_hf, safe_serialization=True)
     saved_args = source.recorded_args()
     tokenizer_note = "" if saved_args.get("task") == "vision" else _save_tokenizer(saved_args, args.save_hf)
+    _with_default_mode(args.save_hf, there)
     how = "torch_dist" if source.format == "torch_dist" else f"TP {source.metadata['tensor_parallel_size']} -> 1"
     print(f"wrote {type(model).__name__} (iteration {source.iteration}, {how}){tokenizer_note} to {args.save_hf}")
+
+
+def _with_default_mode(directory: str, there: set[str]) -> None:
+    """Give the files written into ``directory`` (all but ``there``) the mode a file written plainly
+    gets, 0666 less the umask: safetensors writes the weights 0600 (through a temporary file),
+    beside a config and tokenizer files that others may read."""
+    umask = os.umask(0)  # reading the umask means setting it: put it back at once
+    os.umask(umask)
+    for name in sorted(set(os.listdir(directory)) - there):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            os.chmod(path, 0o666 & ~umask)
 
 
 def _save_tokenizer(saved_args: dict, save_hf: str) -> str:
@@ -167,15 +187,36 @@ def _save(model: nn.Module, metadata: dict[str, Any], ckpt_format: str, save: st
     return checkpointing.save(conversion.WeightsOnly(model), run_args, layout, resume, metadata, recorded)
 
 
-def _report(path: str, what: str, save: str, resume: Resume) -> None:
-    """Rank 0: what was written, and how a run goes on from it."""
+def _trainer_command(task: str, save: str, tp: int, schedule: str | None, flags: list[str]) -> str:
+    """The trainer's command that goes on from the checkpoint ``save`` just written (``flags``: how),
+    to run as printed from the repository root: the model's flags come from the checkpoint
+    (``--use-checkpoint-args``); a ``torch`` checkpoint (``schedule`` given) at its own layout."""
+    layout = ["--ckpt-format", "torch", "--tensor-model-parallel-size", str(tp), "--schedule", schedule]
+    venv_bin = ROOT / ".venv" / "bin"  # torchrun as tools/autotune.py prints it: the venv's, else this Python's
+    in_venv = Path(sys.executable).parent.resolve() == venv_bin.resolve() and (venv_bin / "torchrun").exists()
+    launcher = [".venv/bin/torchrun"] if in_venv else [sys.executable, "-m", "torch.distributed.run"]
+    return shlex.join([*launcher, "--standalone", f"--nproc_per_node={tp if schedule else 1}", f"pretrain_{task}.py",
+                       "--load", save, "--use-checkpoint-args", *flags, *(layout if schedule else [])])  # fmt: skip
+
+
+def _report(path: str, what: str, resume: Resume, command: str, task: str) -> None:
+    """Rank 0: what was written, and ``command``, which trains or resumes from it as printed (a
+    language model on the embedded corpus, an image model on the generated images)."""
     if dist.get_rank() != 0:
         return
     if resume.iteration == 0:
-        print(f"wrote {path} ({what}); train from it with --load {save} --finetune (or --no-load-optim)")
+        print(f"wrote {path} ({what}); train from it: {command}")
     else:
-        print(f"wrote {path} ({what}, iteration {resume.iteration}); only the weights are converted: resume with "
-              f"--load {save} --no-load-optim --no-load-rng (the optimizer and RNG states start afresh)")  # fmt: skip
+        print(f"wrote {path} ({what}, iteration {resume.iteration}); only the weights are converted (the optimizer "
+              f"and RNG states start afresh): resume with {command}")  # fmt: skip
+    if task != "vision":
+        print("  (as printed, the run trains on the embedded corpus: add your --data-path and its tokenizer flags)")
+
+
+def _goes_on(resume: Resume) -> list[str]:
+    """How a run goes on from a converted checkpoint at ``resume``: fine-tuning from iteration 0
+    (from a fine-tuning learning rate), or resuming without the states a conversion drops."""
+    return ["--finetune", "--lr", FINETUNE_LR] if resume.iteration == 0 else ["--no-load-optim", "--no-load-rng"]
 
 
 def from_hf(args: argparse.Namespace) -> None:
@@ -220,7 +261,22 @@ def from_hf(args: argparse.Namespace) -> None:
         "num_layers": model.config.num_hidden_layers,  # what a run loading it must build (checked on load)
     }  # fmt: skip
     path = _save(model, _metadata(model, task, vocab, vocab_params), args.ckpt_format, args.save, Resume(), recorded)
-    _report(path, f"TP {tp}" if torch_format else "torch_dist: loads at any layout", args.save, Resume())
+    command = _trainer_command(task, args.save, tp, args.schedule if torch_format else None,
+                               [*_goes_on(Resume()), *_inputs(task, model.config, args)])  # fmt: skip
+    _report(path, f"TP {tp}" if torch_format else "torch_dist: loads at any layout", Resume(), command, task)
+
+
+def _inputs(task: str, config: transformers.PretrainedConfig, args: argparse.Namespace) -> list[str]:
+    """The flags a run of ``task`` needs beside the model's own config: a T5 model has no positions
+    to take the sequence length from, an image model's classes and channels are flags that default
+    to 10 and 3; BERT without its sentence-order head."""
+    from megatron_slapo.arguments.parser import T5_EMBEDDED_DEFAULTS
+
+    if task == "t5":
+        return ["--seq-length", str(T5_EMBEDDED_DEFAULTS["seq_length"])]
+    if task == "vision":
+        return ["--num-classes", str(config.num_labels), "--num-channels", str(config.num_channels)]
+    return ["--bert-no-binary-head"] if task == "bert" and args.bert_no_binary_head else []
 
 
 def to_torch_dist(args: argparse.Namespace) -> None:
@@ -239,7 +295,8 @@ def to_torch_dist(args: argparse.Namespace) -> None:
     resume = source.resume()
     metadata = _metadata(model, meta["task"], vocab, vocab_parameter_names(model))
     path = _save(model, metadata, "torch_dist", args.save, resume, source.recorded_args())
-    _report(path, f"torch_dist, from TP {meta['tensor_parallel_size']}", args.save, resume)
+    command = _trainer_command(meta["task"], args.save, 1, None, _goes_on(resume))
+    _report(path, f"torch_dist, from TP {meta['tensor_parallel_size']}", resume, command, meta["task"])
     if resume.iteration and dist.get_rank() == 0:
         print(f"  to keep the optimizer state instead, resume {args.load} at the layout that saved it with "
               "--auto-detect-ckpt-format: that run saves torch_dist")  # fmt: skip
@@ -275,7 +332,8 @@ def to_torch(args: argparse.Namespace) -> None:
     dist_checkpoint.load(conversion.WeightsOnly(model), source.root, source.common, Layout.current(), metadata, False)
     resume = source.resume()
     path = _save(model, metadata, "torch", args.save, resume, saved_args)
-    _report(path, f"TP {tp}, from torch_dist", args.save, resume)
+    command = _trainer_command(meta["task"], args.save, tp, args.schedule, _goes_on(resume))
+    _report(path, f"TP {tp}, from torch_dist", resume, command, meta["task"])
 
 
 def main(argv: list[str] | None = None) -> None:

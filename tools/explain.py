@@ -15,7 +15,8 @@ all-to-all; with ``--context-parallel-size C``, each rank's figures for its ``1/
 sequence and the attention's key/value exchange between the C ranks (the ``[cp]`` rows, the
 bytes ``--log-comm`` counts: :mod:`megatron_slapo.estimates.context_estimate`). With ``--load
 DIR``, what the checkpoint there is and how this layout loads it (a ``torch_dist`` one: the layout
-that saved it, and whether the run reshards it).
+that saved it, and whether the run reshards it); the model is the checkpoint's where the size flags
+are not given, and one they contradict is refused as the trainer refuses it.
 
 - ``--task gpt|bert|t5|vision``: which trainer's flags (default gpt).
 - ``--world-size N``: the ranks of the run (default: ``WORLD_SIZE``, else TP x PP), at most
@@ -44,6 +45,7 @@ from megatron_slapo.checkpoints import checkpointing  # noqa: E402
 from megatron_slapo.errors import ConfigError  # noqa: E402
 from megatron_slapo.estimates.estimate import RankEstimate, estimate  # noqa: E402
 from megatron_slapo.training import error_report  # noqa: E402
+from megatron_slapo.training.plan import take_checkpoint_args  # noqa: E402
 
 # megatron-core lays out the process groups of every rank, even over the fake backend: a plan takes
 # about a second more per thousand ranks, so from LARGE_WORLD_SIZE on explain says it is at work, and
@@ -59,6 +61,7 @@ def stage_ranks(argv: list[str], task: str, world: int) -> list[int]:
     """The first rank of each pipeline stage (megatron-core's order: tensor, data, then pipeline),
     once the flags are checked as the trainer checks them (before any planning)."""
     args = parse_args(task, argv, prog="explain.py")
+    take_checkpoint_args(args)  # as the run takes them: the model of --load's checkpoint, unless given
     validate_args(args, world)
     pp = args.pipeline_model_parallel_size
     return [p * (world // pp) for p in range(pp)]

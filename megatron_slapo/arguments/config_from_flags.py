@@ -16,6 +16,7 @@ from typing import Any
 
 import transformers
 
+from megatron_slapo.arguments.family_flags import SCALED_DOWN_FIELDS
 from megatron_slapo.arguments.validation import flag
 from megatron_slapo.arguments.widths import EXPERTS, FFN, SHARED_EXPERTS, Derived
 from megatron_slapo.errors import ConfigError
@@ -90,7 +91,8 @@ def _scaled_down(
 ) -> tuple[transformers.PretrainedConfig, dict[str, Derived]]:
     """Any other transformers model type: its config class's defaults, with the size flags in its
     standard fields (``hidden_size``, ``num_hidden_layers``, ... or their aliases), and the optional
-    ones (FFN width, key/value heads, dropout, init) where it has them. No padding id: the
+    ones (FFN width, key/value heads, dropout, init: :data:`SCALED_DOWN_FIELDS`) where it has them
+    (validation refuses one given for a family without its field). No padding id: the
     end-of-document token must keep its embedding's gradient. Returned with the widths it derived
     (the FFN's, when the family takes ``intermediate_size``; the experts', :func:`_set_experts`)."""
     cls = transformers.CONFIG_MAPPING[kind]
@@ -109,9 +111,9 @@ def _scaled_down(
     if missing:
         raise ConfigError(f"--model-type {kind}: its config has no {', '.join(missing)} to take the size flags; "
                           "give --hf-config instead")  # fmt: skip
-    optional = dict(intermediate_size=ffn, num_key_value_heads=args.num_query_groups or args.num_attention_heads,
-                    attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
-                    initializer_range=args.init_method_std, bos_token_id=eod, eos_token_id=eod)  # fmt: skip
+    flags = dict(vars(args), ffn_hidden_size=ffn, num_query_groups=args.num_query_groups or args.num_attention_heads)
+    optional = {field: flags[name] for name, field in SCALED_DOWN_FIELDS.items()}
+    optional.update(bos_token_id=eod, eos_token_id=eod)
     config = cls(**sizes, **{k: v for k, v in optional.items() if hasattr(default, k)})
     if getattr(config, "pad_token_id", None) is not None:  # a default's id may even lie beyond the vocabulary
         config.pad_token_id = None

@@ -41,7 +41,7 @@ VISION_DEFAULTS = dict(
     eval_interval=25, eval_iters=4, log_interval=10, num_workers=0,
 )  # fmt: skip
 # The model's shape comes from the checkpoint or config when one is given (--load-hf / --hf-config).
-_EMBEDDED_MODEL_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "resnet_layers",
+EMBEDDED_MODEL_SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "resnet_layers",
                          "width_per_group", "base_channels")  # fmt: skip
 
 
@@ -53,7 +53,8 @@ def _model(p: argparse.ArgumentParser, model_types: Sequence[str]) -> None:
                             "(llama-like: qwen3, mistral, ...) with --schedule auto")  # fmt: skip
     else:
         g.add_argument("--model-type", choices=model_types, default=model_types[0], help="HF model family")
-    g.add_argument("--hf-config", help="HF config name or directory (instead of the size flags)")
+    g.add_argument("--hf-config", help="HF config name or directory, or a checkpoint directory (the model it records), "
+                                       "instead of the size flags")  # fmt: skip
     g.add_argument("--load-hf", metavar="DIR", help="start from the pretrained HF weights in DIR")
     g.add_argument("--schedule", help="schedules/NAME.py to apply; 'list' prints them (default: under TP, the family's "
                                       "own tensor-parallel schedule (gpt_tp, llama_tp, bert_tp, t5_tp, ...), else auto "
@@ -163,7 +164,9 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, help="stop (and save) when the iteration is a multiple of this")
     g.add_argument("--exit-duration-in-mins", type=float, help="stop (and save) after this many minutes")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM, finish the step, save (with --save) and exit")  # fmt: skip
+                   help="on --exit-signal, finish the step, save (with --save) and exit")  # fmt: skip
+    g.add_argument("--exit-signal", choices=("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"), default="SIGTERM",
+                   help="the signal --exit-signal-handler waits for (SIGTERM: SLURM's; SIGINT: a Ctrl-C)")  # fmt: skip
     g.add_argument("--lr", type=float)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument(
@@ -259,6 +262,9 @@ def _checkpointing(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true", help="load only the model weights; start at iteration 0")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="take the model's flags not given (its size, sequence length, tokenizer) from the checkpoint "
+                        "in --load, which must hold one (a --load holding one supplies them without this flag too)")  # fmt: skip
     g.add_argument(
         "--ckpt-format",
         choices=["torch_dist", "torch"],
@@ -379,7 +385,7 @@ def parse_args(task: str, argv: Sequence[str] | None = None, prog: str | None = 
         shaped_elsewhere = args.load_hf or args.hf_config
         passed = {name for name, options in flags.items() if options & given}
         for name, value in defaults.items():
-            if name in passed or (shaped_elsewhere and name in _EMBEDDED_MODEL_SHAPE):
+            if name in passed or (shaped_elsewhere and name in EMBEDDED_MODEL_SHAPE):
                 continue
             if name == "lr_warmup_fraction" and "lr_warmup_iters" in passed:
                 continue  # the user chose the warmup in iterations

@@ -14,6 +14,7 @@ import argparse
 import math
 import re
 
+from megatron_slapo.arguments.family_flags import flags_not_taken
 from megatron_slapo.arguments.parser import (
     BERT_MODEL_TYPES,
     GPT_MODEL_TYPES,
@@ -45,10 +46,12 @@ _BETWEEN = {**{name: (0, 1) for name in _PROBABILITIES}, "seed": (0, 2**32 - 1)}
 
 
 def flag(args: argparse.Namespace, name: str) -> str:
-    """``--name value`` as the user would write it, marked when the embedded run chose the value,
-    so that an error never blames the user for a value they did not pass."""
+    """``--name value`` as the user would write it, marked when the embedded run or the checkpoint in
+    ``--load`` chose the value, so that an error never blames the user for a value they did not pass."""
     text = f"--{name.replace('_', '-')} {getattr(args, name)}"
-    return f"{text} (the embedded run's default)" if name in getattr(args, "embedded_defaults", {}) else text
+    if name in getattr(args, "embedded_defaults", {}):
+        return f"{text} (the embedded run's default)"
+    return f"{text} (the checkpoint's, in --load)" if name in getattr(args, "checkpoint_defaults", {}) else text
 
 
 def _check_ranges(args: argparse.Namespace, problems: Problems) -> None:
@@ -116,7 +119,8 @@ def default_model_type(task: str) -> str:
 
 
 def _check_model_type(args: argparse.Namespace, problems: Problems) -> None:
-    """``--model-type`` and the MoE flags: a family pretrain_gpt.py can train, experts only for an MoE one."""
+    """``--model-type`` and the flags that shape its model: a family pretrain_gpt.py can train, experts only
+    for an MoE one, and no flag the family's config has no place for (:mod:`.family_flags`)."""
     kind = args.model_type
     if args.task == "gpt" and kind not in GPT_MODEL_TYPES:
         if kind in encoder_types():  # HF can run some encoders as decoders; Megatron's GPT is causal
@@ -129,6 +133,8 @@ def _check_model_type(args: argparse.Namespace, problems: Problems) -> None:
     if moe and (args.load_hf or args.hf_config or kind in (*GPT_MODEL_TYPES, *BERT_MODEL_TYPES, *T5_MODEL_TYPES)):
         problems.add(f"--{moe[0].replace('_', '-')} shapes the experts of an MoE --model-type built from the size "
                      "flags (mixtral, qwen3_moe, ...), not of this model")  # fmt: skip
+    for problem in flags_not_taken(args):  # e.g. --num-query-groups for GPT-2, which has no grouped-query attention
+        problems.add(problem)
 
 
 def _check_pairs(args: argparse.Namespace, problems: Problems) -> None:
@@ -169,6 +175,8 @@ def _check_pairs(args: argparse.Namespace, problems: Problems) -> None:
                      "only the parts of tensors it holds, directly from the files")  # fmt: skip
     if args.finetune and not args.load:
         problems.add("--finetune needs --load DIR")
+    if args.use_checkpoint_args and not args.load:
+        problems.add("--use-checkpoint-args needs --load DIR, the checkpoint to take the model's flags from")
     if args.load_hf and args.hf_config:
         problems.add("--load-hf takes its config from the checkpoint; drop --hf-config")
 
@@ -296,7 +304,7 @@ def _check_values(args: argparse.Namespace, world_size: int, problems: Problems)
             problems.add(f"--num-query-groups {groups} does not divide {flag(args, 'num_attention_heads')}: each "
                          "key/value head serves the same number of heads")  # fmt: skip
     if args.seq_length and args.max_position_embeddings and args.seq_length > args.max_position_embeddings:
-        problems.add(f"{flag(args, 'seq_length')} exceeds --max-position-embeddings {args.max_position_embeddings}")
+        problems.add(f"{flag(args, 'seq_length')} exceeds {flag(args, 'max_position_embeddings')}")
     if args.task == "t5":
         # [BOS], then per span a sentinel and its tokens: at most 1 + 2 x the masked tokens
         needed = 1 + 2 * math.ceil(args.mask_prob * args.seq_length)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from transformers import PretrainedConfig
 
 from megatron_slapo.arguments.output_paths import check_output_dir
 from megatron_slapo.checkpoints import checkpoint_integrity as integrity
@@ -49,6 +50,7 @@ from megatron_slapo.checkpoints.checkpoint_files import (
     write_file,
 )
 from megatron_slapo.checkpoints.rng_state import rng_state, set_rng_state
+from megatron_slapo.checkpoints.saved_model import SavedModel, check_same_model
 from megatron_slapo.engines.base import Engine
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.models.vocabulary import Vocabulary
@@ -206,6 +208,40 @@ def describe_load(load_dir: str, args: argparse.Namespace, world: int) -> str | 
     return f"{root} (torch_dist): {dist_checkpoint.resharding(saved, here)}" if saved else f"{root} (torch_dist)"
 
 
+def read_saved_model(load_dir: str) -> SavedModel | None:
+    """What the latest checkpoint in ``load_dir`` records of its model, its tensors unread (a
+    ``torch`` checkpoint's: those of its first rank file); None when there is none yet."""
+    iteration = latest_iteration(load_dir)
+    root = committed_dir(load_dir, iteration) if iteration is not None else None
+    if root is None or not os.path.isdir(root):
+        return None  # the run's own checks say what is missing
+    if dist_checkpoint.is_dist_checkpoint(root):
+        return SavedModel.of(root, dist_checkpoint.read_common(root))
+    ranks = sorted(d for d in os.listdir(root) if d.startswith("mp_rank_"))
+    path = os.path.join(root, ranks[0], FILENAME) if ranks else None
+    if path is None or not os.path.isfile(path):
+        return None
+    try:  # the record alone: the weights stay on disk (mapped, not read), and loading verifies the file
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:
+        state = read(path)  # verified first: says what is wrong with the file
+    return SavedModel.of(path, state)
+
+
+def check_loadable(load_dir: str, model: PretrainedConfig, shapes: dict[str, tuple[int, ...]],
+                   names: dict[str, Any]) -> None:  # fmt: skip
+    """Refuse, as a run loading it would, the checkpoint in ``load_dir`` when it holds another model
+    than the one whose HF config is ``model`` and whose global tensor ``shapes`` these are (by HF
+    name; ``names``: its tied weights and vocabulary tensors, as :func:`export_metadata` records
+    them): for ``tools/explain.py``, which plans the run without loading anything."""
+    saved = read_saved_model(load_dir)
+    if saved is None:
+        return
+    check_same_model(saved, model)
+    if os.path.isdir(saved.path):  # a torch_dist checkpoint (a torch one loads at the layout that saved it only)
+        dist_checkpoint.check_model_shapes(saved.path, shapes, names)
+
+
 def reshard_hint(load_dir: str) -> str:
     """How to load a legacy (``torch``) checkpoint at another layout."""
     return (
@@ -231,18 +267,16 @@ def _saved_without_pipeline(path: str, layout: Layout) -> bool:
     return os.path.basename(os.path.dirname(path)) != layout.rank_dir()
 
 
-def _check(state: dict[str, Any], args: argparse.Namespace, layout: Layout, path: str, num_layers: int,
+def _check(state: dict[str, Any], args: argparse.Namespace, layout: Layout, path: str, model: PretrainedConfig,
            load_optimizer: bool) -> None:  # fmt: skip
-    """Refuse a checkpoint file that this run cannot load as asked, before anything is loaded."""
+    """Refuse a checkpoint file that this run (of the model whose HF config is ``model``) cannot load
+    as asked, before anything is loaded."""
     saved_tp = state.get("slapo", {}).get("tensor_parallel_size")
     if saved_tp not in (None, layout.tp_size):
         raise CheckpointError(f"{path} was saved with tensor-parallel size {saved_tp}, this run uses {layout.tp_size}. "
                               f"{reshard_hint(args.load)}")  # fmt: skip
     integrity.check_finite(state, path, with_optimizer=load_optimizer)
-    saved_layers = json.loads(state["args"]).get("num_layers") if isinstance(state.get("args"), str) else None
-    if saved_layers not in (None, num_layers):
-        raise CheckpointError(f"{path} holds a model of {saved_layers} layers, this run builds {num_layers}: give "
-                              f"--num-layers {saved_layers}, or another --load")  # fmt: skip
+    check_same_model(SavedModel.of(path, state), model)
     other_layout = _saved_without_pipeline(path, layout)
     if load_optimizer and "optimizer" in state and other_layout:
         raise CheckpointError(
@@ -265,22 +299,23 @@ def _check(state: dict[str, Any], args: argparse.Namespace, layout: Layout, path
                               "--no-load-rng")  # fmt: skip
 
 
-def read_checked(args: argparse.Namespace, layout: Layout, path: str | None, num_layers: int) -> dict[str, Any] | None:
+def read_checked(args: argparse.Namespace, layout: Layout, path: str | None,
+                 model: PretrainedConfig) -> dict[str, Any] | None:  # fmt: skip
     """This rank's checkpoint file ``path`` (None: nothing to read; a ``torch_dist`` iteration
     directory: its common state, see :func:`dist_checkpoint.read_checked`), verified against its checksums
-    and checked to fit this run (``num_layers``: its model depth) and its flags, before anything is
-    built; the iteration's other files (the engines') are verified too, shared out among the ranks.
+    and checked to fit this run (``model``: its HF config, :func:`check_same_model`) and its flags, before
+    anything is built; the iteration's other files (the engines') are verified too, shared out among the ranks.
     Collective: every rank calls it, and a problem any rank finds is raised on every rank."""
     with agreed_errors(CheckpointError):
         if path is None:
             return None
         if os.path.isdir(path):  # a torch_dist checkpoint: what every rank reads is its common state
-            return dist_checkpoint.read_checked(args, path, num_layers)
+            return dist_checkpoint.read_checked(args, path, model)
         state = read(path)
         root = os.path.dirname(os.path.dirname(path))
         own = {os.path.join(d, FILENAME) for d in os.listdir(root) if d.startswith("mp_rank_")}
         integrity.verify_share(root, skip=own)  # each rank verifies the mp_rank file it reads
-        _check(state, args, layout, path, num_layers, load_optimizer=not (args.finetune or args.no_load_optim))
+        _check(state, args, layout, path, model, load_optimizer=not (args.finetune or args.no_load_optim))
         return state
 
 

@@ -36,6 +36,7 @@ from megatron_slapo.checkpoints.checkpoint_files import (
     latest_iteration,
     saved_iterations,
 )
+from megatron_slapo.checkpoints.saved_model import hf_config
 from megatron_slapo.engines.sharded_state import EngineState, Fill, whole
 from megatron_slapo.errors import CheckpointError, ConfigError
 from megatron_slapo.models import MODEL_CLASSES
@@ -164,15 +165,6 @@ def _unsharded(states: list[dict]) -> dict[str, torch.Tensor]:
             tensor = unshard([s["model"][name] for s in states], dim, as_stride(stride))
         out[name] = tensor.contiguous()
     return out
-
-
-def hf_config(metadata: dict[str, Any], vocab_size: int | None = None) -> transformers.PretrainedConfig:
-    """The saved model's HF config, its vocabulary ``vocab_size`` rows (default: the true vocabulary)."""
-    config_dict = json.loads(metadata["hf_config"])
-    config = transformers.AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
-    if metadata["vocab"]["true"] is not None:  # image models have no vocabulary
-        config.vocab_size = vocab_size or metadata["vocab"]["true"]
-    return config
 
 
 def model_class(metadata: dict[str, Any]) -> type[nn.Module]:

@@ -37,11 +37,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from transformers import PretrainedConfig
 
 from megatron_slapo.checkpoints import checkpoint_integrity as integrity
 from megatron_slapo.checkpoints.checkpoint_files import Resume, finish_save, iteration_dir, start_save
 from megatron_slapo.checkpoints.dcp_planners import PieceLoadPlanner, Pieces, PieceSavePlanner
 from megatron_slapo.checkpoints.rng_state import rng_state, set_rng_state
+from megatron_slapo.checkpoints.saved_model import SavedModel, check_same_model
 from megatron_slapo.engines.base import Engine
 from megatron_slapo.engines.sharded_state import WEIGHT, EngineState
 from megatron_slapo.errors import CheckpointError
@@ -203,6 +205,21 @@ def read_common(root: str) -> dict[str, Any]:
         raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {str(e)[:200]}") from e
 
 
+def check_model_shapes(root: str, shapes: dict[str, tuple[int, ...]], metadata: dict[str, Any]) -> None:
+    """Refuse, as :func:`load` would, the checkpoint ``root`` when it lacks a tensor of a model of
+    these global ``shapes`` (by HF name) or holds one of another shape; ``metadata``: the model's
+    tied weights and vocabulary tensors (:func:`~megatron_slapo.checkpoints.checkpointing.export_metadata`),
+    whose saved rows may differ (a run reads the rows both have). For ``tools/explain.py``, which
+    plans the run without loading it."""
+    saved = dcp.FileSystemReader(root).read_metadata().state_dict_metadata
+    identity = Identity.of(metadata, saved)
+    expected: Pieces = {}
+    for name, shape in shapes.items():
+        rows = identity.vocab_rows.get(name)
+        expected[identity.key([name], WEIGHT)] = ((rows, *shape[1:]) if rows is not None else shape, [])
+    _check_shapes(expected, saved, root)
+
+
 def _check_shapes(pieces: Pieces, saved: dict[str, Any], root: str) -> None:
     """Refuse a checkpoint lacking a tensor this rank loads, or holding one of another global shape."""
     for key, (shape, _) in pieces.items():
@@ -294,9 +311,10 @@ def _same_ranks(saved: dict[str, Any], here: dict[str, Any]) -> bool:
     return all(saved.get(k) == here.get(k) for k in ("tensor", "pipeline", "data", "virtual", "context"))
 
 
-def read_checked(args: argparse.Namespace, root: str, num_layers: int) -> dict[str, Any]:
-    """The checkpoint's common state, checked against this run (``num_layers``: its depth) and its
-    flags before anything is built; every rank verifies a share of the iteration's files."""
+def read_checked(args: argparse.Namespace, root: str, model: PretrainedConfig) -> dict[str, Any]:
+    """The checkpoint's common state, checked against this run (``model``: its HF config, see
+    :func:`~megatron_slapo.checkpoints.saved_model.check_same_model`) and its flags before anything
+    is built; every rank verifies a share of the iteration's files."""
     common = read_common(root)
     integrity.verify_share(root, skip={COMMON})
     load_optimizer = not (args.finetune or args.no_load_optim)
@@ -305,10 +323,7 @@ def read_checked(args: argparse.Namespace, root: str, num_layers: int) -> dict[s
         os.path.join(root, COMMON),
         with_optimizer=load_optimizer,
     )
-    saved_layers = json.loads(common["args"]).get("num_layers") if isinstance(common.get("args"), str) else None
-    if saved_layers not in (None, num_layers):
-        raise CheckpointError(f"{root} holds a model of {saved_layers} layers, this run builds {num_layers}: give "
-                              f"--num-layers {saved_layers}, or another --load")  # fmt: skip
+    check_same_model(SavedModel.of(root, common), model)
     restoring_rng = not (args.finetune or args.no_load_rng) and common.get("iteration", 0) > 0
     if (
         restoring_rng

@@ -18,6 +18,14 @@ collective, and exits non-zero, so torchrun still stops the job (or restarts it 
 The launcher. torchrun ends a failed job with a summary whose "Root Cause" shows the first failed
 rank's torchelastic error file. :func:`root_cause` leaves the one line there (or, for a bug, the
 traceback, as torch's ``@record`` does), instead of "To enable traceback see ...".
+
+A Ctrl-C. The terminal sends SIGINT to torchrun (its workers run in sessions of their own), which
+forwards it to every worker. :func:`interruptions` turns the ``KeyboardInterrupt`` of each rank
+into one line from rank 0 saying where the run stopped, and exit status 130.
+
+Leaving. After an error or an interruption the process ends at once (:func:`exit_now`), not
+through the interpreter's shutdown, which tears gloo's threads down while they run (``terminate
+called without an active exception``: SIGABRT instead of the exit status).
 """
 
 from __future__ import annotations
@@ -25,11 +33,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterator
-from types import TracebackType
+from collections.abc import Callable, Iterator
+from types import FrameType, TracebackType
+from typing import NoReturn
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
@@ -45,9 +55,11 @@ PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "remote pr
 # names the first failure it sees (to the second) as the root cause, and the survivor must not race
 # the rank that died. Torchrun stops it much sooner when that rank ran on the same node.
 PEER_LOSS_GRACE = 5.0
+INTERRUPTED = 130  # the status of a process stopped by SIGINT, as a shell reports it (128 + 2)
 
 _reports = 0  # errors this process has met: rank 0's n-th line answers the others' n-th wait
 _last_line: str | None = None  # the line this process last reported, for the launcher's summary
+_interrupted = False  # a SIGINT arrived while :func:`interruptions` listened
 
 
 def _rank() -> int:
@@ -120,7 +132,7 @@ def lost_peers(prog: str) -> Iterator[None]:
         yield
     except RuntimeError as e:
         reason = _peer_loss(e)
-        if reason is None:
+        if reason is None or _interrupted:  # the peer left on a Ctrl-C, as this rank does: no line
             raise
         op = collective_in(e.__traceback__) or _awaited_in(e.__traceback__)
         line = (f"{prog}: error: rank {_rank()} stopped: another rank died during {op} ({reason}); "
@@ -147,3 +159,45 @@ def root_cause() -> Iterator[None]:
     except Exception as e:
         get_error_handler().record_exception(e)
         raise
+
+
+def _on_sigint(signum: int, frame: FrameType | None) -> None:
+    """Python's own SIGINT handler, remembering that the run was interrupted."""
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interruptions(prog: str, where: Callable[[], str]) -> Iterator[None]:
+    """End a run stopped by SIGINT with one line from rank 0, ``{prog}: {where()}`` (where it
+    stopped and what was last saved), and status :data:`INTERRUPTED`, instead of a traceback from
+    every rank. Once a SIGINT arrived, whatever the ``KeyboardInterrupt`` became on its way up
+    (torch's distributed checkpoint wraps it in a ``CheckpointException``), or a collective that
+    failed because an interrupted peer left first, ends the same way."""
+    global _interrupted
+    _interrupted = False
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        yield
+    except BaseException as e:
+        if not (_interrupted or isinstance(e, KeyboardInterrupt)):
+            raise
+        if _rank() == 0:
+            print(f"{prog}: {where()}", file=sys.stderr, flush=True)
+        sys.exit(INTERRUPTED)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def exit_now(code: int | str | None) -> NoReturn:
+    """End the process with ``sys.exit``'s ``code`` (None: 0; a message: printed, then 1) once its
+    output is flushed, skipping the interpreter's shutdown: it would tear gloo's threads down while
+    they run, and a rank must not wait there for peers that are gone. By then the line is printed,
+    the launcher's error file written and TensorBoard's events flushed."""
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)

@@ -11,7 +11,10 @@ one line before training starts.
 
 from __future__ import annotations
 
+import argparse
+import signal
 import sys
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,11 +83,14 @@ def train(run: Run) -> Resume:
     timers = Timers(log_level=0, log_option="minmax")
     comm = CommLog().install() if args.log_comm else None
     try:
-        with ExitConditions(args.exit_duration_in_mins, args.exit_signal_handler, run.started) as exits:
+        with ExitConditions(args.exit_duration_in_mins, args.exit_signal_handler, run.started,
+                            signal.Signals[args.exit_signal]) as exits:  # fmt: skip
             state = _loop(run, timers, comm, exits, train_batches, valid_batches, n_micro)
     finally:
         if comm:
             comm.uninstall()
+    if exits.interrupted:  # --exit-signal SIGINT: the step finished and was saved; now end as a Ctrl-C does
+        raise KeyboardInterrupt
     if state.iteration >= args.train_iters and args.eval_iters:  # as Megatron, not after an early exit
         _evaluate_at_end(run, valid_batches, test_set, n_micro)
     return state
@@ -108,7 +114,8 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
           valid_batches: Iterator | None, n_micro: int) -> Resume:  # fmt: skip
     args, layout, state = run.args, run.layout, run.resume
     saved_at = state.iteration if args.load else None
-    nan_streak = 0
+    loaded_at = state.iteration if args.load and state.iteration else None  # resumed from a checkpoint there
+    nan_streak = 0  # iterations in a row whose loss or gradients were not finite: their state is never saved
     saves = dist_checkpoint.AsyncSaves() if args.async_save else None  # committed between steps once written
     while state.iteration < args.train_iters:
         micro = [next(train_batches) for _ in range(n_micro)]
@@ -133,23 +140,25 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
         run.reporter.step(state.iteration, state.consumed_train_samples, result, seconds)
         nan_streak = nan_streak + 1 if result.diverging else 0
         if nan_streak >= args.max_consecutive_nan_iterations:
-            raise TrainingStopped(
-                f"stopping at iteration {state.iteration}: {nan_streak} consecutive iterations had a NaN/inf loss "
-                "or gradient (try a lower --lr or --clip-grad, or --bf16 instead of --fp16)"
-            )
+            raise TrainingStopped(_diverged(state.iteration, nan_streak, loaded_at, args.load))
         if valid_batches and args.eval_interval and state.iteration % args.eval_interval == 0:
             metrics = evaluate(run, valid_batches, args.eval_iters, n_micro)
             state.consumed_valid_samples += args.eval_iters * args.global_batch_size
             run.reporter.validation(state.iteration, state.consumed_train_samples, metrics)
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            checkpointing.save(run.engine, args, layout, state, run.metadata, run.recorded, saves)
-            saved_at = state.iteration
+            if nan_streak:
+                print_rank_0(f" > not saving iteration {state.iteration}: its loss or gradients are not finite")
+            else:
+                checkpointing.save(run.engine, args, layout, state, run.metadata, run.recorded, saves)
+                saved_at = state.iteration
         reason = exits.check()  # a collective when --exit-duration-in-mins / --exit-signal-handler is given
         if not reason and args.exit_interval and state.iteration % args.exit_interval == 0:
             reason = f"exiting program at iteration {state.iteration} (--exit-interval)"
         if reason:
             print_rank_0(reason)
             break
+    if nan_streak:  # the run would end on that state: stop instead of saving it (and evaluating NaN)
+        raise TrainingStopped(_diverged(state.iteration, nan_streak, loaded_at, args.load))
     if args.save and saved_at != state.iteration:
         checkpointing.save(run.engine, args, layout, state, run.metadata, run.recorded, saves)
     if saves:
@@ -157,28 +166,54 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
     return state
 
 
+def _diverged(iteration: int, streak: int, loaded_at: int | None, load: str | None) -> str:
+    """Why a run whose last ``streak`` iterations were not finite stops; when every iteration since
+    it resumed was, the checkpoint it loaded is the likely cause (a corrupt file, say, that its
+    checksums could not catch)."""
+    what = f"{streak} consecutive iterations" if streak > 1 else f"iteration {iteration}"
+    line = f"stopping at iteration {iteration}: {what} had a NaN/inf loss or gradient"
+    if loaded_at is not None and iteration - loaded_at == streak:
+        return (f"{line}, every one since it resumed from iteration {loaded_at} of --load {load}: that checkpoint "
+                "may be corrupt (load an earlier iteration); that state is not saved")  # fmt: skip
+    return f"{line} (try a lower --lr or --clip-grad, or --bf16 instead of --fp16); that state is not saved"
+
+
 def main(task: str) -> None:
     """``pretrain_<task>.py``'s entry point: :func:`pretrain`, then, when it finished, the process
     groups shut down before the interpreter does (left to its exit, gloo's threads can be torn down
-    mid-flight and abort a finished run). Not after an error: a rank would wait there for peers
-    that never come, where exiting lets torchrun stop the job. An error's line (or a bug's
-    traceback) goes to torchrun's failure summary as well."""
-    with error_report.root_cause():
-        pretrain(task)
+    mid-flight and abort a finished run). An error's line, or a bug's traceback, goes to torchrun's
+    failure summary as well (:func:`~.error_report.root_cause`); after it, or after a Ctrl-C's
+    line, the process ends at once (:func:`~.error_report.exit_now`): a rank must not wait for
+    peers that may be gone, and exiting lets torchrun stop the job."""
+    try:
+        with error_report.root_cause():
+            pretrain(task)
+    except SystemExit as e:
+        error_report.exit_now(e.code)
+    except Exception:
+        traceback.print_exc()
+        error_report.exit_now(1)
     parallel.destroy()
 
 
 def pretrain(task: str, argv: list[str] | None = None) -> Resume | None:
-    """Entry point of ``pretrain_{task}.py``; returns where training stopped (for tests). Bad input
-    and a peer rank's death end it with one line (:mod:`~megatron_slapo.training.error_report`)."""
+    """Entry point of ``pretrain_{task}.py``; returns where training stopped (for tests). Bad input,
+    a peer rank's death and a Ctrl-C end it with one line (:mod:`~megatron_slapo.training.error_report`)."""
     prog = f"pretrain_{task}.py"
     with error_report.user_errors(prog):
         args = parse_args(task, argv)
     if args.schedule == "list":
         print(describe())
         return None
-    with error_report.user_errors(prog), error_report.lost_peers(prog):
-        run = setup(args)
+    run: Run | None = None
+    with error_report.interruptions(prog, lambda: _stopped_at(args, run)):  # reads `run` as it is by then
+        with error_report.user_errors(prog), error_report.lost_peers(prog):
+            run = setup(args)
+        return _train(prog, run)
+
+
+def _train(prog: str, run: Run) -> Resume:
+    """:func:`train`, a diverging run's stop reported as one line (status 1)."""
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
 
     try:
@@ -190,3 +225,14 @@ def pretrain(task: str, argv: list[str] | None = None) -> Resume | None:
     finally:
         run.reporter.close()
         destroy_num_microbatches_calculator()
+
+
+def _stopped_at(args: argparse.Namespace, run: Run | None) -> str:
+    """Where an interrupted run stopped, and the checkpoint it resumes from: the one ``--save``'s
+    tracker names (the last committed, an asynchronous save in flight not), else the one loaded."""
+    where = f"interrupted at iteration {run.resume.iteration}" if run else "interrupted before training started"
+    for directory in filter(None, (args.save, args.load)):
+        latest = checkpointing.latest_iteration(directory)
+        if latest is not None:
+            return f"{where}; last checkpoint: iteration {latest} in {directory}"
+    return f"{where}; " + (f"no checkpoint saved yet in --save {args.save}" if args.save else "no checkpoint saved")

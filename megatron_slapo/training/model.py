@@ -20,7 +20,7 @@ from torch import nn
 from megatron_slapo.arguments.config_from_flags import config_from_flags
 from megatron_slapo.arguments.validation import default_model_type
 from megatron_slapo.arguments.widths import Derived, check_divisible
-from megatron_slapo.checkpoints import pretrained
+from megatron_slapo.checkpoints import checkpointing, pretrained
 from megatron_slapo.engines.base import ModelShape
 from megatron_slapo.engines.optimizer import half_precision
 from megatron_slapo.errors import ConfigError
@@ -109,14 +109,33 @@ def check_channels(config: WideResNetConfig, tp: int) -> None:
 
 
 def read_hf_config(args: argparse.Namespace) -> transformers.PretrainedConfig | None:
-    """The config of ``--load-hf DIR`` or ``--hf-config NAME_OR_DIR``, checked to be a model this
-    task trains, of the ``--model-type`` given, that can be built, and (``--load-hf``) to come with
-    readable weights (:mod:`~megatron_slapo.checkpoints.pretrained`); None without either (the size
-    flags shape the model)."""
+    """The config of ``--load-hf DIR`` or ``--hf-config NAME_OR_DIR`` (an HF directory or name, or a
+    checkpoint directory: the model it records, as ``--load`` supplies it), checked to be a model
+    this task trains, of the ``--model-type`` and size flags given, that can be built, and
+    (``--load-hf``) to come with readable weights (:mod:`~megatron_slapo.checkpoints.pretrained`);
+    None without either (the size flags shape the model)."""
     if not (args.load_hf or args.hf_config):
         return None
     flag, source = ("--load-hf", args.load_hf) if args.load_hf else ("--hf-config", args.hf_config)
-    where = f"{flag} {source}"
+    saved = checkpointing.read_saved_model(source) if args.hf_config and os.path.isdir(source) else None
+    if saved is not None:  # a checkpoint's model, named as the user gave it
+        where, config = f"{'--load' if source == args.load else flag} {source}", saved.config()
+    else:
+        where = f"{flag} {source}"
+        config = _read_hf_directory(args, where, source)
+    pretrained.check_task_fits(config, args.task, where)
+    pretrained.check_shape(config, where)
+    if args.model_type not in (default_model_type(args.task), config.model_type):  # the default yields to the config
+        raise ConfigError(f"--model-type {args.model_type} contradicts {where}, which holds a {config.model_type} "
+                          "model: drop --model-type (the config names the model)")  # fmt: skip
+    _check_size_flags(args, config, where)
+    if args.load_hf:
+        pretrained.check_weights(where, source)
+    return config
+
+
+def _read_hf_directory(args: argparse.Namespace, where: str, source: str) -> transformers.PretrainedConfig:
+    """The HF config of the directory or model name ``source``, each problem with it named."""
     if args.load_hf and not os.path.isfile(os.path.join(source, "config.json")):
         what = "has no config.json" if os.path.isdir(source) else "is not a directory"
         raise ConfigError(
@@ -125,7 +144,7 @@ def read_hf_config(args: argparse.Namespace) -> transformers.PretrainedConfig | 
     if os.path.isdir(source):
         pretrained.check_config_json(where, source)
     try:
-        config = transformers.AutoConfig.from_pretrained(source)
+        return transformers.AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as e:
         what = (
             "a directory nor a model name that can be fetched" if not os.path.isdir(source) else "a valid HF directory"
@@ -134,14 +153,31 @@ def read_hf_config(args: argparse.Namespace) -> transformers.PretrainedConfig | 
     except (StrictDataclassError, ArithmeticError, TypeError) as e:  # its fields, as transformers checks them
         raise ConfigError(f"{where}: transformers refuses its config.json ({type(e).__name__}: "
                           f"{' '.join(str(e).split())}); fix the config") from e  # fmt: skip
-    pretrained.check_task_fits(config, args.task, where)
-    pretrained.check_shape(config, where)
-    if args.model_type not in (default_model_type(args.task), config.model_type):  # the default yields to the config
-        raise ConfigError(f"--model-type {args.model_type} contradicts {where}, which holds a {config.model_type} "
-                          "model: drop --model-type (the config names the model)")  # fmt: skip
-    if args.load_hf:
-        pretrained.check_weights(where, source)
-    return config
+
+
+# The size flags an HF config's fields give (aliases count: GPT-2's n_layer is its num_hidden_layers)
+_SIZE_FIELDS = {
+    "num_layers": ("num_hidden_layers",), "hidden_size": ("hidden_size",),
+    "num_attention_heads": ("num_attention_heads",), "num_query_groups": ("num_key_value_heads",),
+    "ffn_hidden_size": ("intermediate_size", "n_inner", "ffn_dim", "d_ff"),
+}  # fmt: skip
+# Not --max-position-embeddings: validation defaults it to --seq-length, so a value there is not
+# the user's; a --seq-length beyond the config's positions is refused by build_config.
+
+
+def _check_size_flags(args: argparse.Namespace, config: transformers.PretrainedConfig, where: str) -> None:
+    """Refuse, in one line, the size flags given beside a config (``where``) that says otherwise: the
+    config shapes the model, so each would be ignored."""
+    chosen = {**getattr(args, "embedded_defaults", {}), **getattr(args, "checkpoint_defaults", {})}  # not the user's
+    problems = []
+    for name, fields in _SIZE_FIELDS.items():
+        value = getattr(args, name, None)
+        held = next((getattr(config, f) for f in fields if getattr(config, f, None) is not None), None)
+        if value is not None and name not in chosen and held is not None and held != value:
+            problems.append(f"--{name.replace('_', '-')} {value} contradicts {where}, whose model has {held}")
+    if problems:
+        raise ConfigError(f"{'; '.join(problems)}: drop {'it' if len(problems) == 1 else 'them'} (the config shapes "
+                          "the model)")  # fmt: skip
 
 
 def auto_class(task: str, bert_binary_head: bool = False) -> type:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 import megatron_slapo as ms
 from megatron_slapo import parallel
+from megatron_slapo.arguments.checkpoint_args import take_model_flags
 from megatron_slapo.arguments.output_paths import check_output_dir
 from megatron_slapo.arguments.trainer_args import print_arguments
 from megatron_slapo.arguments.validation import validate_args
@@ -72,6 +73,33 @@ def _embedded_data(args: argparse.Namespace, task: str) -> embedded.EmbeddedData
     return data
 
 
+def take_checkpoint_args(args: argparse.Namespace) -> None:
+    """The flags shaping the model that ``args`` was not given, from the checkpoint in ``--load``
+    (:mod:`~megatron_slapo.arguments.checkpoint_args`), before they are validated; with
+    ``--use-checkpoint-args``, a ``--load`` holding no checkpoint is refused."""
+    if not args.load:
+        return
+    saved = checkpointing.read_saved_model(args.load)
+    if saved is None:
+        if args.use_checkpoint_args:
+            raise ConfigError(f"--use-checkpoint-args: --load {args.load} holds no checkpoint to take the model's "
+                              "flags from: give the size flags, or another --load")  # fmt: skip
+        return
+    taken = take_model_flags(args, saved.args, args.load)
+    if taken and int(os.environ.get("RANK", 0)) == 0:  # before the process groups start
+        print(f" > the model's flags from the checkpoint in --load {args.load}: {' '.join(taken)}", flush=True)
+
+
+def _check_loadable(args: argparse.Namespace, task: str, config: Any) -> None:
+    """Refuse, as the run would when it reads and loads it, the checkpoint in ``--load`` when it
+    holds another model than ``config``'s: its family, depth and heads, and its tensors' shapes
+    (those of the model built on the meta device here, before the data, as the run reads it)."""
+    model = create_model(argparse.Namespace(**{**vars(args), "load_hf": None}), task, config)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    names = {"tied": tied_weights(model), "vocab": {"params": vocab_parameter_names(model)}}
+    checkpointing.check_loadable(args.load, config, shapes, names)
+
+
 def _split_sizes(args: argparse.Namespace) -> SplitSizes:
     """Samples per split: every iteration, every validation (periodic + final), the final test pass."""
     gbs = args.global_batch_size
@@ -111,6 +139,7 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     """
     started = time.time()
     world = world or int(os.environ.get("WORLD_SIZE", 1))
+    take_checkpoint_args(args)
     validate_args(args, world)
     check_attention_backend(args)
     settings, hf_config = resolve_settings(args)  # decided here, once: from now on `args` is only read
@@ -147,7 +176,9 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     check_schedule(args, settings, config)  # an unverified family is refused here when it needs splitting
     checkpoint = None  # read and checked before anything is built (a collective: every rank, when --load is given)
     if args.load and simulate_rank is None:
-        checkpoint = checkpointing.read_checked(args, layout, resume_path, config.num_hidden_layers)
+        checkpoint = checkpointing.read_checked(args, layout, resume_path, config)
+    elif args.load:  # explain: the checkpoint the run would load, checked as the run checks it
+        _check_loadable(args, settings.task, config)
     datasets = task.build_datasets(args, data, _split_sizes(args))
     model = create_model(args, settings.task, config)
     cp = context.current(args.cp_comm_type)  # None without --context-parallel-size

@@ -15,7 +15,8 @@ MiB, as ``tools/explain.py`` gives it: after the first step every rank's measure
 micro-batch and peak (``memory/rank0 activations (MiB per micro-batch)``, ``memory/rank0 peak (MiB)``).
 
 A run without ``--tensorboard-dir`` on the embedded corpus or an image model writes to
-``runs/<task>-<model type>-<layers>x<hidden>-tp<T>pp<P>dp<D>-<schedule>/<time>`` (:func:`run_name`);
+``runs/<task>-<model type>-<layers>x<hidden>-tp<T>pp<P>dp<D>-<schedule>/<time>`` (:func:`run_name`),
+and a run resumed from its checkpoint goes on in that folder, so that TensorBoard draws one curve;
 a run on its own data writes none unless asked, as Megatron's.
 """
 
@@ -63,12 +64,16 @@ def run_name(settings: RunSettings, shape: ModelShape, layout: Layout, data_para
     return "-".join((settings.task, settings.model_type, size, where, settings.schedule))
 
 
-def tensorboard_dir(args: argparse.Namespace, settings: RunSettings, shape: ModelShape, layout: Layout) -> str | None:
+def tensorboard_dir(args: argparse.Namespace, settings: RunSettings, shape: ModelShape, layout: Layout,
+                    resumed: str | None = None) -> str | None:  # fmt: skip
     """``--tensorboard-dir``; else, for a run with no data flags (the embedded corpus, an image
-    model), ``runs/<run_name>/<time>``; else None: a run on its own data writes TensorBoard only
-    where asked, as Megatron's."""
+    model), ``resumed``, the folder of the run it resumes (its checkpoint records it), while that
+    folder can be written, or a new ``runs/<run_name>/<time>``; else None: a run on its own data
+    writes TensorBoard only where asked, as Megatron's."""
     if args.tensorboard_dir or not (args.embedded_data or settings.task == "vision"):
         return args.tensorboard_dir
+    if resumed and os.path.isdir(resumed) and os.access(resumed, os.W_OK):
+        return resumed
     name = run_name(settings, shape, layout, args.data_parallel_size)
     return os.path.join("runs", name, time.strftime("%Y%m%d-%H%M%S"))
 

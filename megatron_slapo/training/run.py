@@ -1,14 +1,19 @@
 """Setting a run up: the :class:`~megatron_slapo.training.plan.Plan` materialised. :func:`setup`
 builds this rank's shards, hands them to the engine, loads the checkpoint to resume from and
-starts the reporter (the log line's FLOPs, TensorBoard); :class:`Run` is what the training loop,
-the tuner's trials and the benchmarks step.
+starts the reporter (the log line's FLOPs, TensorBoard: a resumed run's goes on in the folder of
+the run it resumes); :class:`Run` is what the training loop, the tuner's trials and the benchmarks
+step.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
+
+import torch.distributed as dist
 
 import megatron_slapo as ms
 from megatron_slapo import parallel
@@ -20,7 +25,7 @@ from megatron_slapo.parallel.state import Layout
 from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.training.flops import device_peak_tflops, flops_per_image, flops_per_token
 from megatron_slapo.training.model import auto_class
-from megatron_slapo.training.plan import prepare
+from megatron_slapo.training.plan import Plan, prepare
 from megatron_slapo.training.reporting import Reporter, log_engine_memory, print_rank_0, tensorboard_dir
 from megatron_slapo.training.settings import RunSettings
 from megatron_slapo.training.tasks import BERTTask, GPTTask, T5Task, VisionTask
@@ -39,7 +44,7 @@ class Run:
     datasets: tuple
     reporter: Reporter
     metadata: dict
-    recorded: dict[str, Any]  # the checkpoint's record of the arguments (Plan.recorded)
+    recorded: dict[str, Any]  # the checkpoint's record of the arguments: Plan.recorded, the TensorBoard folder
     started: float = 0.0  # time.time() at the start of setup: --exit-duration-in-mins counts from here
 
 
@@ -82,9 +87,20 @@ def setup(args: argparse.Namespace) -> Run:
     else:
         unit, per_iteration = "tokens", args.global_batch_size * settings.seq_length
         flops = flops_per_token(auto, config, settings.seq_length, getattr(args, "decoder_seq_length", None))
-    reporter = Reporter(args, flops * per_iteration, per_iteration, device_peak_tflops(args.peak_tflops), unit,
-                        tensorboard_dir(args, settings, plan.shape, layout))  # fmt: skip
-    return Run(args, settings, task, engine, layout, resume, plan.datasets, reporter, metadata, plan.recorded,
+    tensorboard = _tensorboard(plan, resume)
+    peak = device_peak_tflops(args.peak_tflops)
+    reporter = Reporter(args, flops * per_iteration, per_iteration, peak, unit, tensorboard)
+    recorded = {**plan.recorded, "tensorboard_dir": os.path.abspath(tensorboard) if tensorboard else None}
+    return Run(args, settings, task, engine, layout, resume, plan.datasets, reporter, metadata, recorded,
                plan.started)  # fmt: skip
 
 
+def _tensorboard(plan: Plan, resume: Resume) -> str | None:
+    """This run's TensorBoard folder (:func:`tensorboard_dir`), the one a resumed run's checkpoint
+    records among its arguments when there is one. The last rank, which writes there, decides, so
+    that every rank records the same folder (a new one's name has the time in it)."""
+    args, checkpoint = plan.args, plan.checkpoint or {}
+    recorded = json.loads(checkpoint["args"]) if resume.iteration and isinstance(checkpoint.get("args"), str) else {}
+    chosen = [tensorboard_dir(args, plan.settings, plan.shape, plan.layout, recorded.get("tensorboard_dir"))]
+    dist.broadcast_object_list(chosen, src=dist.get_world_size() - 1)
+    return chosen[0]

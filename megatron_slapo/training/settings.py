@@ -3,7 +3,7 @@
 Several flags decide these together, and an HF config may override a flag's default:
 ``--model-type`` gives way to the type of the ``--hf-config`` / ``--load-hf`` model, ``--schedule``
 defaults to the schedule for that type and ``--tensor-model-parallel-size``, ``--seq-length`` to the model's positions.
-:func:`resolve_settings` decides them right after argument validation (``training/loop.py``'s
+:func:`resolve_settings` decides them right after argument validation (``training/plan.py``'s
 ``prepare``); everything after reads the frozen :class:`RunSettings`, and the arguments stay as
 validation left them. Once the model's config is built, :func:`check_schedule` checks that the
 schedule fits it, and refuses a family no schedule is verified on where the layout needs one.
