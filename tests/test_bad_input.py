@@ -344,6 +344,9 @@ BAD_INPUT: dict[str, tuple[str, Callable[[Path], list[str]], str]] = {
                                                               *TRAIN, "--use-checkpoint-args", "--num-layers", "2"],
                                                               "--num-layers 2 contradicts --load {t}/ck, whose model "
                                                               "has 1: drop it (the config shapes the model)"),
+    "exit signal without its handler": ("pretrain_gpt.py", lambda t: [*GPT, *TRAIN, "--exit-signal", "SIGINT"],
+                                        "--exit-signal SIGINT is what --exit-signal-handler listens for: add "
+                                        "--exit-signal-handler (a Ctrl-C without it stops the run at once)"),
     "checkpoint args without a checkpoint": ("pretrain_gpt.py", lambda t: [*GPT, *TRAIN, "--use-checkpoint-args",
                                              "--load", str(t / "empty")],
                                              "--use-checkpoint-args: --load {t}/empty holds no checkpoint to take the "

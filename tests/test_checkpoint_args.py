@@ -93,3 +93,20 @@ def test_a_given_model_type_stays_and_a_checkpoint_of_another_trainer_is_refused
     assert (args.model_type, args.num_layers, args.checkpoint_defaults) == ("mistral", 3, {"num_layers": 3})
     with pytest.raises(ConfigError, match="^--load ck holds a checkpoint of pretrain_gpt.py, not of pretrain_bert.py"):
         take_model_flags(parse_args("bert", ["--load", "ck"]), {"task": "gpt"}, "ck")
+
+
+def test_a_t5_checkpoint_s_recorded_positions_are_not_refused_as_the_user_s():
+    """Validation fills --max-position-embeddings in from --seq-length, so a T5 checkpoint records
+    it; taken back on --load, it is the checkpoint's value, not a flag T5 cannot take from the user."""
+    from megatron_slapo.arguments.validation import validate_args
+
+    saved = parse_args("t5", [])  # the embedded run, as it records itself
+    validate_args(saved, 1)
+    assert saved.max_position_embeddings is not None
+    args = parse_args("t5", ["--load", "ck"])
+    taken = take_model_flags(args, {"task": "t5", **vars(saved)}, "ck")
+    assert f"--max-position-embeddings {saved.max_position_embeddings}" in taken
+    validate_args(args, 1)  # not refused
+    given = parse_args("t5", ["--load", "ck", "--max-position-embeddings", "64"])
+    with pytest.raises(ConfigError, match="--max-position-embeddings 64: t5 has no position embeddings"):
+        validate_args(given, 1)

@@ -265,6 +265,25 @@ def test_a_corrupt_shard_without_checksums_stops_on_its_nan_steps_and_saves_none
     )
 
 
+def test_a_sound_run_whose_last_step_is_skipped_still_saves_its_weights(tmp_path, monkeypatch):
+    """A skipped step leaves the weights as they were: a run whose steps were sound before its last,
+    non-finite one ends as usual, its final checkpoint saved (only a run of none but such steps,
+    above, stops without saving)."""
+    from megatron_slapo.engines.base import StepResult
+
+    steps = []
+
+    def diverging(result: StepResult) -> bool:  # the loop reads it once a step, the log line after it
+        steps.append(id(result))
+        return len(set(steps)) == 3
+
+    monkeypatch.setattr(StepResult, "diverging", property(diverging))
+    ck = tmp_path / "ck"
+    state = pretrain("gpt", [*DIST_RUN, "--train-iters", "3", "--save", str(ck)])
+    parallel.destroy()
+    assert state.iteration == 3 and checkpointing.latest_iteration(str(ck)) == 3
+
+
 # -- the converter ------------------------------------------------------------------------------------------------
 
 

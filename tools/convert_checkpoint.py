@@ -210,7 +210,9 @@ def _report(path: str, what: str, resume: Resume, command: str, task: str) -> No
         print(f"wrote {path} ({what}, iteration {resume.iteration}); only the weights are converted (the optimizer "
               f"and RNG states start afresh): resume with {command}")  # fmt: skip
     if task != "vision":
-        print("  (as printed, the run trains on the embedded corpus: add your --data-path and its tokenizer flags)")
+        print("  (as printed, the run trains on the embedded corpus; on your data add --data-path, its tokenizer flags "
+              "and the training flags the embedded run chooses for you: --micro-batch-size, --train-iters, --lr, ... "
+              "as its start-up line lists them)")  # fmt: skip
 
 
 def _goes_on(resume: Resume) -> list[str]:

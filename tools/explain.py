@@ -97,7 +97,8 @@ def report(estimates: list[RankEstimate], world: int) -> str:
     first = estimates[0]
     lines = [f"What the schedule did (rank {first.rank}):", first.schedule, "",
              f"Per rank, of {world} (each pipeline stage's first; its tensor- and data-parallel peers hold the same):"]  # fmt: skip
-    header = ("rank", "(tp,pp,dp)", "stages", "weights", "gradients", "optimizer", "gathered",
+    place = "(tp,pp,dp,cp)" if first.context_parallel > 1 else "(tp,pp,dp)"  # a context rank apart from the data one
+    header = ("rank", place, "stages", "weights", "gradients", "optimizer", "gathered",
               "activations/micro-batch", "held", "peak", "GFLOP/step")  # fmt: skip
     rows = [header]
     for e in estimates:

@@ -21,6 +21,7 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
+from megatron_slapo.arguments.chosen import user_gave
 from megatron_slapo.arguments.parser import EMBEDDED_MODEL_SHAPE, MOE_FLAGS
 from megatron_slapo.arguments.validation import default_model_type
 from megatron_slapo.errors import ConfigError
@@ -37,18 +38,12 @@ SIZE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "resnet_layers
 TOKENIZER_FLAGS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model", "vocab_size")
 
 
-def _given(args: argparse.Namespace, name: str) -> bool:
-    """Whether the user gave flag ``name`` (a value the embedded run or a checkpoint chose is not the user's)."""
-    chosen = name in args.embedded_defaults or name in args.checkpoint_defaults
-    return getattr(args, name, None) is not None and not chosen
-
-
 def _take(args: argparse.Namespace, recorded: Mapping[str, Any], names: tuple[str, ...]) -> list[str]:
     """Set each flag of ``names`` not given that ``recorded`` has a value for; return them as ``--flag value``."""
     taken = []
     for name in names:
         value = recorded.get(name)
-        if value is None or _given(args, name) or not hasattr(args, name):
+        if value is None or user_gave(args, name) or not hasattr(args, name):
             continue
         setattr(args, name, value)
         args.embedded_defaults.pop(name, None)
@@ -77,8 +72,8 @@ def take_model_flags(args: argparse.Namespace, recorded: Mapping[str, Any], chec
         raise ConfigError(f"--load {checkpoint} holds a checkpoint of pretrain_{task}.py, not of "
                           f"pretrain_{args.task}.py: load it with pretrain_{task}.py, or give another --load")  # fmt: skip
     vars(args).setdefault("checkpoint_defaults", {})
-    by_config = _given(args, "hf_config") or _given(args, "load_hf")
-    if by_config or (not args.use_checkpoint_args and any(_given(args, name) for name in SIZE_FLAGS)):
+    by_config = user_gave(args, "hf_config") or user_gave(args, "load_hf")
+    if by_config or (not args.use_checkpoint_args and any(user_gave(args, name) for name in SIZE_FLAGS)):
         return []
     if recorded.get("hf_config") or recorded.get("load_hf"):
         taken = [*_shaped_by_config(args, checkpoint), *_take(args, recorded, CONFIG_MODEL_FLAGS)]
@@ -88,6 +83,6 @@ def take_model_flags(args: argparse.Namespace, recorded: Mapping[str, Any], chec
         if kind and args.model_type == default_model_type(args.task) != kind:  # the default yields, as to --hf-config
             args.model_type = args.checkpoint_defaults["model_type"] = kind
             taken.insert(0, f"--model-type {kind}")
-    if not args.embedded_data and args.task != "vision" and not any(_given(args, n) for n in TOKENIZER_FLAGS):
+    if not args.embedded_data and args.task != "vision" and not any(user_gave(args, n) for n in TOKENIZER_FLAGS):
         taken += _take(args, recorded, TOKENIZER_FLAGS)
     return taken

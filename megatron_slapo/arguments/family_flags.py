@@ -16,6 +16,7 @@ from typing import Any
 
 import transformers
 
+from megatron_slapo.arguments.chosen import user_gave
 from megatron_slapo.arguments.parser import build_parser
 
 # The optional flags a family built from its config class's defaults takes, by the field each sets
@@ -58,12 +59,14 @@ def _fields_missing(kind: str, names: list[str]) -> list[str]:
         return []
 
 
-def _given(name: str, value: Any, default: Any) -> bool:
-    """Whether the user chose ``value`` for a flag whose default is ``default``. A dropout of 0 asks
-    for none, which a family without that dropout already has."""
+def _given(args: argparse.Namespace, name: str, default: Any) -> bool:
+    """Whether the user chose a value for flag ``name`` other than its ``default`` (not the embedded
+    run or the checkpoint in ``--load``). A dropout of 0 asks for none, which a family without that
+    dropout already has."""
+    value = getattr(args, name, None)
     if name in _DROPOUTS and value == 0:
         return False
-    return value is not None and value != default
+    return user_gave(args, name) and value != default
 
 
 def flags_not_taken(args: argparse.Namespace) -> list[str]:
@@ -74,7 +77,7 @@ def flags_not_taken(args: argparse.Namespace) -> list[str]:
         return []
     kind, defaults = args.model_type, build_parser(args.task)
     names = NOT_IN_MEGATRON_FAMILY.get(kind, tuple(SCALED_DOWN_FIELDS))
-    given = [name for name in names if _given(name, getattr(args, name, None), defaults.get_default(name))]
+    given = [name for name in names if _given(args, name, defaults.get_default(name))]
     not_taken = given if kind in NOT_IN_MEGATRON_FAMILY or not given else _fields_missing(kind, given)
     return [f"--{name.replace('_', '-')} {getattr(args, name):g}: {kind} {_LACKS[name][0]}; {_LACKS[name][1]}"
             for name in not_taken]  # fmt: skip

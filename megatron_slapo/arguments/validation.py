@@ -175,6 +175,9 @@ def _check_pairs(args: argparse.Namespace, problems: Problems) -> None:
                      "only the parts of tensors it holds, directly from the files")  # fmt: skip
     if args.finetune and not args.load:
         problems.add("--finetune needs --load DIR")
+    if getattr(args, "exit_signal", "SIGTERM") != "SIGTERM" and not args.exit_signal_handler:
+        problems.add(f"--exit-signal {args.exit_signal} is what --exit-signal-handler listens for: add "
+                     "--exit-signal-handler (a Ctrl-C without it stops the run at once)")  # fmt: skip
     if args.use_checkpoint_args and not args.load:
         problems.add("--use-checkpoint-args needs --load DIR, the checkpoint to take the model's flags from")
     if args.load_hf and args.hf_config:

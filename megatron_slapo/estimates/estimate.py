@@ -72,7 +72,7 @@ class RankEstimate:
     as ``--log-comm`` keys it (``all_reduce[tp]``, ``isend[pp]``, ...)."""
 
     rank: int
-    coordinates: tuple[int, int, int]  # (tensor, pipeline, data) parallel rank
+    coordinates: tuple[int, ...]  # (tensor, pipeline, data[, context]) parallel rank: Layout.coordinates()
     stages: list[int]
     memory: dict[str, int]  # params, grads, optimizer
     activations: int  # saved for backward, per micro-batch
@@ -388,7 +388,7 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
             in_flight = min(micro * chunks, (pp - layout.pp_rank - 1) * 2 + (chunks - 1) * pp + 1) / chunks
         bubble = (pp - 1) / (chunks * micro + pp - 1)
     return RankEstimate(
-        rank=rank, coordinates=(layout.tp_rank, layout.pp_rank, layout.dp_rank), stages=local,
+        rank=rank, coordinates=layout.coordinates()[1], stages=local,
         memory=_state_bytes(args, weights, copies, stage, edp), activations=activations, in_flight=in_flight,
         comm=dict(sorted(comm.items())), flops=micro * sum(meter.flops[k] for k in local), micro_batches=micro,
         bubble=bubble, schedule=text, experts=experts, context_parallel=args.context_parallel_size,

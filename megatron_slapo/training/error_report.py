@@ -188,6 +188,7 @@ def interruptions(prog: str, where: Callable[[], str]) -> Iterator[None]:
         sys.exit(INTERRUPTED)
     finally:
         signal.signal(signal.SIGINT, previous)
+        _interrupted = False
 
 
 def exit_now(code: int | str | None) -> NoReturn:

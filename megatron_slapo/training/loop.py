@@ -89,8 +89,8 @@ def train(run: Run) -> Resume:
     finally:
         if comm:
             comm.uninstall()
-    if exits.interrupted:  # --exit-signal SIGINT: the step finished and was saved; now end as a Ctrl-C does
-        raise KeyboardInterrupt
+    if exits.interrupted or (exits.received and exits.signum == signal.SIGINT):
+        raise KeyboardInterrupt  # --exit-signal SIGINT (after the last check too): saved; now end as a Ctrl-C does
     if state.iteration >= args.train_iters and args.eval_iters:  # as Megatron, not after an early exit
         _evaluate_at_end(run, valid_batches, test_set, n_micro)
     return state
@@ -114,9 +114,19 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
           valid_batches: Iterator | None, n_micro: int) -> Resume:  # fmt: skip
     args, layout, state = run.args, run.layout, run.resume
     saved_at = state.iteration if args.load else None
+    started_at = state.iteration
     loaded_at = state.iteration if args.load and state.iteration else None  # resumed from a checkpoint there
-    nan_streak = 0  # iterations in a row whose loss or gradients were not finite: their state is never saved
+    # Iterations in a row whose loss or gradients were not finite. Every engine skips such a step, so
+    # the weights stay those before it, and are saved, unless every step of this run was one: then
+    # the state it started from is the likely cause (a corrupt checkpoint) and is never saved.
+    nan_streak = 0
     saves = dist_checkpoint.AsyncSaves() if args.async_save else None  # committed between steps once written
+
+    def stop() -> TrainingStopped:  # a save in flight is of a sound state: committed before the run ends
+        if saves:
+            saves.wait()
+        return TrainingStopped(_diverged(state.iteration, nan_streak, loaded_at, args.load))
+
     while state.iteration < args.train_iters:
         micro = [next(train_batches) for _ in range(n_micro)]
         if comm:
@@ -140,14 +150,15 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
         run.reporter.step(state.iteration, state.consumed_train_samples, result, seconds)
         nan_streak = nan_streak + 1 if result.diverging else 0
         if nan_streak >= args.max_consecutive_nan_iterations:
-            raise TrainingStopped(_diverged(state.iteration, nan_streak, loaded_at, args.load))
+            raise stop()
         if valid_batches and args.eval_interval and state.iteration % args.eval_interval == 0:
             metrics = evaluate(run, valid_batches, args.eval_iters, n_micro)
             state.consumed_valid_samples += args.eval_iters * args.global_batch_size
             run.reporter.validation(state.iteration, state.consumed_train_samples, metrics)
         if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-            if nan_streak:
-                print_rank_0(f" > not saving iteration {state.iteration}: its loss or gradients are not finite")
+            if nan_streak == state.iteration - started_at:
+                print_rank_0(f" > not saving iteration {state.iteration}: no step since iteration {started_at} had a "
+                             "finite loss and gradients")  # fmt: skip
             else:
                 checkpointing.save(run.engine, args, layout, state, run.metadata, run.recorded, saves)
                 saved_at = state.iteration
@@ -157,8 +168,8 @@ def _loop(run: Run, timers: Any, comm: CommLog | None, exits: ExitConditions, tr
         if reason:
             print_rank_0(reason)
             break
-    if nan_streak:  # the run would end on that state: stop instead of saving it (and evaluating NaN)
-        raise TrainingStopped(_diverged(state.iteration, nan_streak, loaded_at, args.load))
+    if nan_streak and nan_streak == state.iteration - started_at:  # it would end on that state: stop instead
+        raise stop()
     if args.save and saved_at != state.iteration:
         checkpointing.save(run.engine, args, layout, state, run.metadata, run.recorded, saves)
     if saves:

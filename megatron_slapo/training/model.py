@@ -17,6 +17,7 @@ import transformers
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 
+from megatron_slapo.arguments.chosen import user_gave
 from megatron_slapo.arguments.config_from_flags import config_from_flags
 from megatron_slapo.arguments.validation import default_model_type
 from megatron_slapo.arguments.widths import Derived, check_divisible
@@ -168,12 +169,11 @@ _SIZE_FIELDS = {
 def _check_size_flags(args: argparse.Namespace, config: transformers.PretrainedConfig, where: str) -> None:
     """Refuse, in one line, the size flags given beside a config (``where``) that says otherwise: the
     config shapes the model, so each would be ignored."""
-    chosen = {**getattr(args, "embedded_defaults", {}), **getattr(args, "checkpoint_defaults", {})}  # not the user's
     problems = []
     for name, fields in _SIZE_FIELDS.items():
         value = getattr(args, name, None)
         held = next((getattr(config, f) for f in fields if getattr(config, f, None) is not None), None)
-        if value is not None and name not in chosen and held is not None and held != value:
+        if user_gave(args, name) and held is not None and held != value:
             problems.append(f"--{name.replace('_', '-')} {value} contradicts {where}, whose model has {held}")
     if problems:
         raise ConfigError(f"{'; '.join(problems)}: drop {'it' if len(problems) == 1 else 'them'} (the config shapes "

@@ -132,9 +132,11 @@ def asked(request: pytest.FixtureRequest, argname: str) -> list:
     return [p.params[argname] for p in params if p is not None and argname in p.params]
 
 
-def layout_case(key: str, layout: str, world_sizes: tuple[int, ...], flags: list[str]) -> pytest.param:
-    """One parity case: ``key`` (task or family) trained with ``flags``, at ``world_sizes`` only."""
-    return pytest.param(key, flags, id=f"{key}-{layout}", marks=pytest.mark.world_sizes(*world_sizes))
+def layout_case(key: str, layout: str, world_sizes: tuple[int, ...], flags: list[str], slow: bool = False) -> pytest.param:
+    """One parity case: ``key`` (task or family) trained with ``flags``, at ``world_sizes`` only
+    (``slow``: in the slow tier)."""
+    marks = [pytest.mark.world_sizes(*world_sizes), *([pytest.mark.slow] if slow else [])]
+    return pytest.param(key, flags, id=f"{key}-{layout}", marks=marks)
 
 
 def assert_parity(losses: dict[int, float], expected: dict[int, float], tolerance: float, steps: int = 10) -> None:

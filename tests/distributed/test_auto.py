@@ -304,9 +304,7 @@ def _trained(case: str, configs: str) -> list[str]:
 
 def _case(family: str, name: str, sizes: tuple, flags: list[str]) -> pytest.param:
     """A parity case; the CONFIGURED and SLOW families' in the slow tier (Verify checks them in the default one)."""
-    case = layout_case(family, name, sizes, flags)
-    slow = [pytest.mark.slow] if family in (*CONFIGURED, *SLOW) else []
-    return pytest.param(*case.values, id=case.id, marks=[*case.marks, *slow])
+    return layout_case(family, name, sizes, flags, slow=family in (*CONFIGURED, *SLOW))
 
 
 @pytest.mark.parametrize("family, flags", [_case(f, name, sizes, flags)

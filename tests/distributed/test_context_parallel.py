@@ -80,9 +80,7 @@ def reference(shared_tmp, cache, request):
 
 
 def _case(model: str, name: str, sizes: tuple, flags: list[str]) -> pytest.param:
-    case = layout_case(model, name, sizes, flags)
-    slow = [] if case.id in DEFAULT else [pytest.mark.slow]
-    return pytest.param(*case.values, id=case.id, marks=[*case.marks, *slow])
+    return layout_case(model, name, sizes, flags, slow=f"{model}-{name}" not in DEFAULT)
 
 
 @pytest.mark.world_sizes(2, 4)

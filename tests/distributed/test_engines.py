@@ -101,8 +101,7 @@ SLOW = {("bert", "tp2-compile-recompute-full"), ("bert", "tp2-sp-compile-ddp"), 
 
 
 def _case(task: str, name: str, sizes: tuple, flags: list[str]) -> pytest.param:
-    case = layout_case(task, name, sizes, flags)
-    return pytest.param(*case.values, id=case.id, marks=[*case.marks, *([pytest.mark.slow] * ((task, name) in SLOW))])
+    return layout_case(task, name, sizes, flags, slow=(task, name) in SLOW)
 
 
 CASES = [*(_case(task, name, sizes, flags) for name, (sizes, flags) in LAYOUTS.items() for task in SCHEDULES),

@@ -87,9 +87,7 @@ def reference(shared_tmp, cache, configs, request):
 
 
 def _case(family: str, name: str, sizes: tuple, flags: list[str]) -> pytest.param:
-    case = layout_case(family, name, sizes, flags)
-    slow = [] if case.id in DEFAULT else [pytest.mark.slow]
-    return pytest.param(*case.values, id=case.id, marks=[*case.marks, *slow])
+    return layout_case(family, name, sizes, flags, slow=f"{family}-{name}" not in DEFAULT)
 
 
 @pytest.mark.parametrize("family, flags", [_case(*layout) for layout in LAYOUTS])
