@@ -8,7 +8,6 @@ step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ import megatron_slapo as ms
 from megatron_slapo import parallel
 from megatron_slapo.checkpoints import checkpointing
 from megatron_slapo.checkpoints.checkpointing import Resume
+from megatron_slapo.checkpoints.saved_model import SavedModel
 from megatron_slapo.engines import ENGINES
 from megatron_slapo.engines.base import Engine
 from megatron_slapo.parallel.state import Layout
@@ -99,8 +99,8 @@ def _tensorboard(plan: Plan, resume: Resume) -> str | None:
     """This run's TensorBoard folder (:func:`tensorboard_dir`), the one a resumed run's checkpoint
     records among its arguments when there is one. The last rank, which writes there, decides, so
     that every rank records the same folder (a new one's name has the time in it)."""
-    args, checkpoint = plan.args, plan.checkpoint or {}
-    recorded = json.loads(checkpoint["args"]) if resume.iteration and isinstance(checkpoint.get("args"), str) else {}
+    args = plan.args
+    recorded = SavedModel.of(plan.resume_path or "", plan.checkpoint).args if resume.iteration and plan.checkpoint else {}
     chosen = [tensorboard_dir(args, plan.settings, plan.shape, plan.layout, recorded.get("tensorboard_dir"))]
     dist.broadcast_object_list(chosen, src=dist.get_world_size() - 1)
     return chosen[0]
