@@ -2,7 +2,7 @@
 
 One line per module that a primitive touched: its tensor-parallel role, each sharded tensor (axis,
 stride, whole shape -> this rank's), the collectives it inserts, recompute, the model-parallel RNG
-stream, compilation, tracing, a pipeline cut, a module replaced (a kernel swapped in). Layers that received the same
+stream, compilation, FP8 products, tracing, a pipeline cut, a module replaced (a kernel swapped in). Layers that received the same
 primitives are one line, their index written ``*`` and their number after it. The first line sums this rank's
 parameters against the unsharded model's.
 """
@@ -46,6 +46,8 @@ def applied(node: ScheduleNode) -> list[str]:
     items += [word for word, on in flags if on]
     if meta.compiled:
         items.append(f"compile({meta.compiled})")
+    if meta.fp8:
+        items.append(meta.fp8)
     if meta.sequence_split:
         items.append(f"sequence parallel: {meta.sequence_split}")
     if meta.context_parallel > 1:

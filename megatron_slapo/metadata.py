@@ -55,6 +55,7 @@ class Metadata:
     core_checkpointed: bool = False  # attention_core(checkpoint=True): only the attention core is recomputed
     context_parallel: int = 1  # attention_core(context_parallel=...): the ranks its ring spans
     compiled: str | None = None  # the torch.compile backend, applied by build
+    fp8: str | None = None  # fp8(): the recipe its products run in ("fp8 tensorwise hybrid")
     forked_rng: bool = False
     traced: bool = False
     pipeline_cut: bool = False

@@ -23,6 +23,7 @@ from megatron_slapo.primitives.attention_core import AttentionCoreMixin
 from megatron_slapo.primitives.checkpoint import CheckpointMixin
 from megatron_slapo.primitives.compile import CompileMixin
 from megatron_slapo.primitives.find import FindMixin
+from megatron_slapo.primitives.fp8 import Fp8Mixin
 from megatron_slapo.primitives.fuse import FuseMixin
 from megatron_slapo.primitives.hook import HookMixin
 from megatron_slapo.primitives.pipeline import PipelineMixin
@@ -40,6 +41,7 @@ class Schedule(
     SyncMixin,
     CheckpointMixin,
     CompileMixin,
+    Fp8Mixin,
     HookMixin,
     ForkRngMixin,
     AttentionCoreMixin,

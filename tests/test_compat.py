@@ -335,7 +335,7 @@ def test_scan_finds_planted_private_names(tmp_path):
 
 def test_supported_ranges_are_the_requirements_and_admit_the_tested_versions():
     requirements = (ROOT / "requirements.txt").read_text()
-    pins = re.findall(r"^(torch|transformers|megatron-core|deepspeed)([<>=!~][^\s#]*)", requirements, re.M)
+    pins = re.findall(r"^(torch|transformers|megatron-core|deepspeed|torchao)([<>=!~][^\s#]*)", requirements, re.M)
     assert dict(pins) == {k: v for k, v in versions.SUPPORTED.items() if k != "python"}
     assert versions.TESTED.keys() == versions.SUPPORTED.keys()
     assert all(SpecifierSet(versions.SUPPORTED[k]).contains(v) for k, v in versions.TESTED.items())

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from megatron_slapo.arguments.fp8_flags import add_fp8_arguments
 from megatron_slapo.compat.argparse_internals import parser_actions
 from megatron_slapo.errors import ConfigError
 
@@ -184,6 +185,7 @@ def _training(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
+    add_fp8_arguments(g)
     g.add_argument(
         "--accumulate-allreduce-grads-in-fp32",
         action="store_true",

@@ -14,6 +14,7 @@ import argparse
 import math
 import re
 
+from megatron_slapo.arguments.fp8_flags import check_fp8
 from megatron_slapo.arguments.family_flags import flags_not_taken
 from megatron_slapo.arguments.parser import (
     BERT_MODEL_TYPES,
@@ -336,6 +337,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     else:
         _check_language_pairs(args, problems)
     _check_context_parallel(args, problems)
+    check_fp8(args, problems)
     problems.raise_if_any()
     if args.task != "vision" and args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length

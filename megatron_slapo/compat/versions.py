@@ -8,7 +8,8 @@ other than the tested one gets a one-line note (:class:`UntestedVersionWarning`)
 and the note says what to suspect if not.
 
 ``import megatron_slapo`` checks Python, torch, transformers and megatron-core (:data:`AT_IMPORT`);
-DeepSpeed is checked where ``--engine deepspeed`` imports it, as only that engine uses it. Versions
+DeepSpeed is checked where ``--engine deepspeed`` imports it, as only that engine uses it, and
+torchao where FP8 is asked for (``--fp8-format``). Versions
 are read with importlib.metadata: importing the packages would take seconds.
 """
 
@@ -30,6 +31,7 @@ SUPPORTED: dict[str, str] = {
     "transformers": ">=5.0,<5.25",
     "megatron-core": ">=0.16.1,<0.17",
     "deepspeed": ">=0.19,<0.20",
+    "torchao": ">=0.18,<0.19",
 }
 # What CI runs: the versions tools/setup.sh installs (Python: the series; any build of a release,
 # such as torch's 2.13.0+cpu, is that release).
@@ -39,6 +41,7 @@ TESTED: dict[str, str] = {
     "transformers": "5.24.0",
     "megatron-core": "0.16.1",
     "deepspeed": "0.19.8",
+    "torchao": "0.18.0",
 }
 AT_IMPORT = ("python", "torch", "transformers", "megatron-core")
 

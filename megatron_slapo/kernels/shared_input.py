@@ -108,3 +108,12 @@ class _FusedLinear(torch.autograd.Function):
 def shared_forward(module: nn.Linear, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
     """A fused layer's forward: its part of the one GEMM (installed by the fusion pass)."""
     return module.shared_input.output(module, input)
+
+
+def leave_shared_input(module: nn.Linear) -> None:
+    """Take ``module`` out of its fused group, so that another computation may be installed as its
+    forward (``fp8``: each layer scales its own weight, as one process does); the others keep
+    sharing their input among themselves."""
+    group = module.__dict__.pop("shared_input")
+    group.layers = [layer for layer in group.layers if layer is not module]
+    group.pending = None

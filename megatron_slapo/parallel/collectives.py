@@ -91,6 +91,14 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
+def all_reduce_max(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """The elementwise maximum of ``x`` over ``group`` (no autograd: FP8's amaxes,
+    :mod:`megatron_slapo.kernels.fp8`), in place on ``x``, which the caller owns."""
+    if _sends(x, group):
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
+
+
 def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     world = group_size(group)
     if world == 1:

@@ -154,6 +154,8 @@ def _forward_rewrite_problem(node: ScheduleNode, param_name: str, axis: int) -> 
     subclass with a forward of its own is refused rather than silently changed.
     """
     mod = node.mod
+    if node.metadata.fp8 and infer_role(mod, param_name, axis) is not None:
+        return "the layer already runs in FP8: apply fp8() after shard(), which decides the ranks its scales span"
     role = infer_role(mod, param_name, axis)
     rewrites = role is Role.VOCAB or (role is Role.ROW and getattr(mod, "bias", None) is not None)
     if not rewrites:

@@ -87,14 +87,19 @@ class RowParallelForward:
 
     def __init__(self) -> None:
         self.reductions: list[SyncOp] = []  # applied to the product, which nothing else holds: in place
+        # The product without the bias, when another primitive computes it (``fp8``): (module, x) -> y
+        self.product: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None
 
     def __deepcopy__(self, memo: dict) -> RowParallelForward:
         clone = RowParallelForward()
         clone.reductions = list(self.reductions)  # the ops themselves hold shared group handles
+        clone.product = self.product
         return clone
 
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(module, nn.Linear):
+        if self.product is not None:
+            y = self.product(module, x)
+        elif isinstance(module, nn.Linear):
             y = F.linear(x, module.weight)
         elif isinstance(module, ConvNd):
             y = conv_without_bias(module, x)

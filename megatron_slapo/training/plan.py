@@ -20,6 +20,7 @@ import torch.distributed as dist
 import megatron_slapo as ms
 from megatron_slapo import parallel
 from megatron_slapo.arguments.checkpoint_args import take_model_flags
+from megatron_slapo.arguments.fp8_flags import fp8_recipe
 from megatron_slapo.arguments.output_paths import check_output_dir
 from megatron_slapo.arguments.trainer_args import print_arguments
 from megatron_slapo.arguments.validation import validate_args
@@ -36,7 +37,7 @@ from megatron_slapo.models.vocabulary import Vocabulary, tied_weights, vocab_par
 from megatron_slapo.parallel import context
 from megatron_slapo.parallel.agreement import agreed_errors
 from megatron_slapo.parallel.state import Layout
-from megatron_slapo.plans import context_parallel, sequence
+from megatron_slapo.plans import context_parallel, fp8, sequence
 from megatron_slapo.plans.expert_capacity import drops_tokens
 from megatron_slapo.training import recompute
 from megatron_slapo.training.model import (
@@ -216,6 +217,9 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
         )
     if args.sequence_parallel and settings.task != "vision":  # an image model's schedule splits the batch itself
         sequence.split_layers(sch, layers)
+    recipe = fp8_recipe(args)
+    if recipe:  # after the schedule: a split layer agrees its scales over the ranks its role says
+        print_rank_0(fp8.apply(sch, recipe, transformer_layers(model, config.num_hidden_layers), cp.group if cp else None))
     if recomputing:
         depths = config.num_hidden_layers if shared_layers(model) else None  # ALBERT: one layer, several depths
         print_rank_0(recompute.apply(sch, args, layers, stages, depths))

@@ -1,0 +1,95 @@
+"""FP8 layers split by tensor parallelism compute what one process's FP8 layers compute: each
+scale is agreed over the ranks that split the tensor it scales (emulated FP8, fp32 around it)."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from megatron_slapo import create_schedule
+from megatron_slapo.kernels.fp8 import Fp8Recipe
+from megatron_slapo.metadata import Role
+from tests.distributed.test_mlp_tp import built_pair, column, row
+from tests.utils import local_part, max_diff, tiny_gpt2_config, tiny_llama_config
+
+TOL = 1e-5
+
+
+def gpt2():
+    cfg = tiny_gpt2_config()
+    return (lambda: GPT2MLP(4 * cfg.n_embd, cfg)), {"c_fc": (column, 1), "c_proj": (row, 0)}, cfg.n_embd
+
+
+def llama():
+    cfg = tiny_llama_config()
+    return (lambda: LlamaMLP(cfg)), {"gate_proj": (column, 0), "up_proj": (column, 0), "down_proj": (row, 1)}, 32
+
+
+def relative_diff(a, b):
+    """The largest difference relative to ``b``'s largest magnitude (fp32 sums of large FP8 products)."""
+    return max_diff(a, b) / b.abs().max().item()
+
+
+def _run(model, hidden):
+    x = torch.randn(2, 16, hidden, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    g = torch.randn(2, 16, hidden, generator=torch.Generator().manual_seed(2))
+    y = model(x)
+    (y * g).sum().backward()
+    return y, x.grad
+
+
+def _recipe(name):
+    """``rowwise-exact``: rowwise with scales not rounded to powers of 2. A rounded scale hides a
+    disagreement (two ranks' powers of 2 only shift exponents), this one shows any, so the rowwise
+    casts' split dimensions are checked exactly."""
+    recipe = Fp8Recipe(name.removesuffix("-exact"), "hybrid", emulate=True)
+    if name.endswith("-exact"):
+        recipe.__dict__["config"] = dataclasses.replace(recipe.config, round_scales_to_power_of_2=False)
+    return recipe
+
+
+def _pair(case, recipe, group):
+    """One process's FP8 model and its tensor-parallel copy (same weights), both in FP8; the first
+    half of each weight along its split is scaled up, so that the shards' amaxes differ."""
+    make, layers, hidden = case()
+    fp8 = _recipe(recipe)
+    ref, tp = built_pair(make)
+    with torch.no_grad():  # one rank's shard 3 times the other's (not a power of 2, which a rowwise scale rounds to): a shard's own amax is not the whole's
+        for model in (ref, tp):
+            for path, (_, axis) in layers.items():
+                weight = model.get_submodule(path).weight
+                weight.narrow(axis, 0, weight.size(axis) // 2).mul_(3)
+    plain, sch = create_schedule(ref, None), create_schedule(tp, group)
+    for path, (place, axis) in layers.items():
+        place(sch[path], axis)
+        sch[path].fp8(fp8)
+        plain[path].fp8(fp8)
+    assert {sch[path].metadata.role for path in layers} == {Role.COLUMN, Role.ROW}
+    return ref, tp, hidden
+
+
+@pytest.mark.world_sizes(2, 4)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise-exact"])
+@pytest.mark.parametrize("case", [gpt2, llama])
+def test_split_fp8_layers_cast_what_one_process_casts(group, rank, world, case, recipe):
+    ref, tp, hidden = _pair(case, recipe, group)
+    y_ref, dx_ref = _run(ref, hidden)
+    y, dx = _run(tp, hidden)
+    assert relative_diff(y, y_ref) < TOL
+    assert relative_diff(dx, dx_ref) < TOL
+    for name, p in tp.named_parameters():
+        full = dict(ref.named_parameters())[name].grad
+        assert relative_diff(p.grad, local_part(full, p, rank, world)) < TOL, name
+    fp32, _ = _run(built_pair(case()[0])[0], hidden)
+    assert relative_diff(y_ref, fp32) > 1e-3  # it is FP8: 3 bits of mantissa move the output
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise-exact"])
+def test_scales_of_each_shard_alone_would_not_compute_what_one_process_does(group, monkeypatch, recipe):
+    """The agreement matters: with each rank's amax its own, a TP2 layer rounds otherwise."""
+    monkeypatch.setattr("megatron_slapo.kernels.fp8.all_reduce_max", lambda amax, group: amax)
+    ref, tp, hidden = _pair(llama, recipe, group)
+    (y_ref, dx_ref), (y, dx) = _run(ref, hidden), _run(tp, hidden)
+    assert max(relative_diff(y, y_ref), relative_diff(dx, dx_ref)) > 1e-3
