@@ -92,3 +92,14 @@ def ddp_ignore(module: torch.nn.Module, names: Iterable[str]) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, list(names))
+
+
+def traceable_all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The elementwise maximum of ``x`` over ``group``, as a new tensor, through torch's functional
+    collectives (``torch.distributed._functional_collectives``, private): unlike ``dist.all_reduce``
+    they trace under torch.compile, so an FP8 layer's amax agreement compiles with the layer.
+    torch 2.13."""
+    from torch.distributed import _functional_collectives as funcol
+
+    out = funcol.all_reduce(x, "max", group)
+    return out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out

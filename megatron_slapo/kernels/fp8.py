@@ -98,12 +98,13 @@ def _cast(tensor: torch.Tensor, cast: Any, recipe: Fp8Recipe, role: Any, axis: i
         magnitude = torch.abs(tensor)
         amax = (torch.max(magnitude) if tensorwise else torch.amax(magnitude, dim=axis, keepdim=True)).float()
         for group in (dims[0] + dims[1]) if tensorwise else dims[axis]:
-            all_reduce_max(amax, group)
+            amax = all_reduce_max(amax, group)
         scale = ao.amax_to_scale(amax, cast.target_dtype, recipe.config.round_scales_to_power_of_2)
     return ao.hp_tensor_and_scale_to_float8(tensor, scale, cast.target_dtype, recipe.mm_config, role,
                                             None if tensorwise else axis)  # fmt: skip
 
 
+@torch._dynamo.allow_in_graph
 class _Fp8Product(torch.autograd.Function):
     """``x @ weight_t`` (``weight`` stored as ``(out, in)`` when ``transposed``, as nn.Linear stores
     it) with its three products in FP8, following ``matmul_with_hp_or_float8_args`` cast for cast."""

@@ -32,6 +32,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from megatron_slapo.compat.distributed import traceable_all_reduce_max
+
 Group = dist.ProcessGroup | None
 
 
@@ -93,10 +95,9 @@ def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def all_reduce_max(x: torch.Tensor, group: Group) -> torch.Tensor:
     """The elementwise maximum of ``x`` over ``group`` (no autograd: FP8's amaxes,
-    :mod:`megatron_slapo.kernels.fp8`), in place on ``x``, which the caller owns."""
-    if _sends(x, group):
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
-    return x
+    :mod:`megatron_slapo.kernels.fp8`), through a collective torch.compile traces. ``--log-comm``
+    does not count it: a few bytes per layer, next to the layer's own collectives."""
+    return traceable_all_reduce_max(x, group) if _sends(x, group) else x
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:

@@ -9,8 +9,9 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 from megatron_slapo import create_schedule
-from megatron_slapo.kernels.fp8 import Fp8Recipe
+from megatron_slapo.kernels.fp8 import Fp8Recipe, Splits, fp8_product
 from megatron_slapo.metadata import Role
+from megatron_slapo.parallel.collectives import reduce_forward
 from tests.distributed.test_mlp_tp import built_pair, column, row
 from tests.utils import local_part, max_diff, tiny_gpt2_config, tiny_llama_config
 
@@ -93,3 +94,30 @@ def test_scales_of_each_shard_alone_would_not_compute_what_one_process_does(grou
     ref, tp, hidden = _pair(llama, recipe, group)
     (y_ref, dx_ref), (y, dx) = _run(ref, hidden), _run(tp, hidden)
     assert max(relative_diff(y, y_ref), relative_diff(dx, dx_ref)) > 1e-3
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise-exact"])
+def test_a_sequence_split_over_ranks_agrees_its_scales_over_them(group, rank, world, recipe):
+    """Context parallelism: each rank holds part of the tokens, and a scale over tokens (tensorwise;
+    rowwise's for the weight gradient) spans every rank's, so the outputs are one process's rows
+    and the weight gradients, summed over the ranks, one process's."""
+    fp8 = _recipe(recipe)
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(4 * world, 32, generator=generator)
+    x[: 4 * world // 2] *= 3  # the first ranks' tokens larger: their amax is not the others'
+    weight = torch.randn(48, 32, generator=generator)
+    g = torch.randn(4 * world, 48, generator=generator)
+
+    def product(x, splits):
+        x, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        y = fp8_product(x, w, True, fp8, splits)
+        (y * g[rows] if splits.tokens else y * g).sum().backward()
+        return y, x.grad, w.grad
+
+    rows = slice(4 * rank, 4 * (rank + 1))
+    y_ref, dx_ref, dw_ref = product(x, Splits())
+    y, dx, dw = product(x[rows], Splits(tokens=(group,)))
+    dw = reduce_forward(dw, group)  # the weight gradient's partial sums
+    assert relative_diff(y, y_ref[rows]) < TOL
+    assert relative_diff(dx, dx_ref[rows]) < TOL
+    assert relative_diff(dw, dw_ref) < TOL

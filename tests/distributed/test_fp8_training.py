@@ -1,6 +1,8 @@
 """``--fp8-format`` trains at every layout as one process does: 10 steps of gpt_tp, llama_tp and
 ``--schedule auto`` (qwen3, qwen3_moe) at TP2, TP2 with sequence parallelism, PP2, ZeRO-3 and FSDP2
-over two data-parallel ranks, against the same FP8 run in one process (emulated FP8, bf16 around it).
+over two data-parallel ranks, qwen3_moe's experts over two ranks, llama's and qwen3's sequence
+over two ranks, and GPT compiled at TP2, against the same FP8 run in one process (emulated FP8,
+bf16 around it).
 
 The tolerance is bf16's relative precision, 2^-8 (the bound a bf16 run keeps to the fp32 one,
 ``test_mixed_precision.py``), and the ``bf16`` cases are held to it too. A layout reorders bf16
@@ -45,16 +47,20 @@ PRECISIONS = {
 # o; gate, up, down); qwen3_moe's experts are grouped weights and its router stays: q, k, v, o only
 LAYERS = {"gpt": 8, "llama": 14, "qwen3": 14, "qwen3_moe": 8}
 TP2 = ["--tensor-model-parallel-size", "2"]
-LAYOUTS = {
-    "tp2": TP2,
-    "tp2-sp": [*TP2, "--sequence-parallel"],
-    "pp2": ["--engine", "megatron", "--pipeline-model-parallel-size", "2"],
-    "zero3-dp2": ["--engine", "deepspeed", "--zero-stage", "3"],
-    "fsdp-dp2": ["--engine", "fsdp"],
+LAYOUTS = {  # name -> (flags, the models trained at it: None for all)
+    "tp2": (TP2, None),
+    "tp2-sp": ([*TP2, "--sequence-parallel"], None),
+    "pp2": (["--engine", "megatron", "--pipeline-model-parallel-size", "2"], None),
+    "zero3-dp2": (["--engine", "deepspeed", "--zero-stage", "3"], None),
+    "fsdp-dp2": (["--engine", "fsdp"], None),
+    "ep2": (["--expert-model-parallel-size", "2"], ("qwen3_moe",)),
+    "cp2": (["--context-parallel-size", "2"], ("llama", "qwen3")),  # scales agreed over the sequence's ranks too
+    "tp2-compile": ([*TP2, "--compile"], ("gpt",)),  # the agreement's collectives traced with the layer
 }
 # The README's suite: each recipe, each model and each layout at least once; the rest in the slow tier
 DEFAULT = {("gpt", "tp2-sp", "bf16"), ("qwen3_moe", "tp2", "bf16"), ("gpt", "tp2-sp", "fp8-tensorwise"), ("llama", "tp2", "fp8-rowwise"), ("qwen3_moe", "tp2", "fp8-tensorwise"),
-           ("qwen3", "pp2", "fp8-rowwise"), ("gpt", "zero3-dp2", "fp8-rowwise"), ("llama", "fsdp-dp2", "fp8-tensorwise")}  # fmt: skip
+           ("qwen3", "pp2", "fp8-rowwise"), ("gpt", "zero3-dp2", "fp8-rowwise"), ("llama", "fsdp-dp2", "fp8-tensorwise"),
+           ("qwen3_moe", "ep2", "fp8-rowwise"), ("llama", "cp2", "fp8-tensorwise")}  # fmt: skip
 
 
 def _argv(key: str) -> list[str]:
@@ -66,7 +72,7 @@ def _argv(key: str) -> list[str]:
 CASES = [
     pytest.param(f"{model}/{precision}", flags, id=f"{model}-{layout}-{precision}",
                  marks=layout_case(model, layout, (2,), flags, slow=(model, layout, precision) not in DEFAULT).marks)
-    for model in MODELS for layout, flags in LAYOUTS.items() for precision in PRECISIONS
+    for layout, (flags, models) in LAYOUTS.items() for model in models or MODELS for precision in PRECISIONS
 ]  # fmt: skip
 
 
