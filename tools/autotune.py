@@ -23,7 +23,10 @@ the tuner chooses the rest, from the candidates given (every one by default):
 - ``zero``: 0 megatron-core's DDP, 1 its distributed optimizer (ZeRO-1), 2 and 3 DeepSpeed's
   ZeRO-2/3 (without a pipeline); above 0 only with data parallelism;
 - ``mbs``: micro-batch sizes dividing the global batch per data-parallel rank;
-- ``recompute``: none, selective (attention cores) or full (every layer).
+- ``recompute``: none, selective (attention cores) or full (every layer);
+- ``fp8``: the FP8 recipes ``--fp8`` lists (``--fp8-recipe``; none: bf16 alone), only with ``--bf16`` among
+  the fixed flags. The format is ``--fp8-format`` among them (default hybrid); given, FP8 is asked for
+  and the default candidates are both recipes, else none (FP8 rounds otherwise: a user opts in).
 
 Each point is explained first (:mod:`megatron_slapo.estimates.estimate`, in this process, no
 training): points over ``--memory-budget-gib`` (default: the GPU's memory, else this machine's
@@ -66,6 +69,7 @@ from megatron_slapo.errors import ConfigError  # noqa: E402
 from megatron_slapo.training import error_report  # noqa: E402
 from megatron_slapo.training.settings import resolve_settings  # noqa: E402
 from megatron_slapo.tuning.search import Cost, ring_traffic, search  # noqa: E402
+from megatron_slapo.kernels.fp8 import RECIPES  # noqa: E402
 from megatron_slapo.tuning.space import Point, Space  # noqa: E402
 
 RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],
@@ -75,7 +79,8 @@ ZERO = {0: [], 1: ["--use-distributed-optimizer"], 2: ["--engine", "deepspeed", 
 CHOSEN = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--sequence-parallel", "--engine",
           "--zero-stage", "--deepspeed-config", "--use-distributed-optimizer", "--micro-batch-size",
           "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--checkpoint-ratio",
-          "--num-layers-per-virtual-pipeline-stage", "--expert-model-parallel-size", "--context-parallel-size")  # fmt: skip
+          "--num-layers-per-virtual-pipeline-stage", "--expert-model-parallel-size", "--context-parallel-size",
+          "--fp8-recipe")  # fmt: skip
 
 
 def _ints(text: str) -> list[int]:
@@ -112,6 +117,22 @@ def check_candidates(ours: argparse.Namespace) -> None:
         raise ConfigError(f"--memory-budget-gib {ours.memory_budget_gib} must be > 0")
 
 
+def fp8_candidates(ours: argparse.Namespace, base: list[str]) -> list[str]:
+    """Set ``ours.fp8`` (the recipes to try, see the module docstring) and return the fixed flags,
+    with ``--fp8-format hybrid`` added where a recipe is tried and they give no format."""
+    given = "--fp8-format" in {f.split("=")[0] for f in base}
+    ours.fp8 = ours.fp8 or (list(RECIPES) if given else ["none"])
+    unknown = [r for r in ours.fp8 if r not in ("none", *RECIPES)]
+    if unknown:
+        raise ConfigError(f"--fp8 {','.join(unknown)}: choose from none,{','.join(RECIPES)}")
+    if given and "none" in ours.fp8:
+        raise ConfigError("--fp8 none with --fp8-format among the fixed flags: drop --fp8-format to try bf16 alone too")
+    fp8 = ours.fp8 != ["none"]
+    if fp8 and "--bf16" not in base:
+        raise ConfigError(f"--fp8 {','.join(ours.fp8)}: FP8 needs --bf16 among the trainer's flags")
+    return [*base, "--fp8-format", "hybrid"] if fp8 and not given else base
+
+
 def gpt_space(world: int, layers: int | None, heads: int | None, global_batch: int, ask: argparse.Namespace,
               experts: int | None = None, seq: int | None = None) -> Space:  # fmt: skip
     """The tuner's space for a decoder of ``layers`` and ``heads`` on ``world`` ranks (where the
@@ -146,6 +167,8 @@ def gpt_space(world: int, layers: int | None, heads: int | None, global_batch: i
         experts and experts % e == 0 and dp(p) % e == 0 and p["zero"] < 2)])  # fmt: skip
     space.symbol("mbs", lambda p: [m for m in ask.micro_batch_sizes if (global_batch // data(p)) % m == 0])
     space.symbol("recompute", ask.recompute)
+    if (getattr(ask, "fp8", None) or ["none"]) != ["none"]:  # bf16 alone: the points (and results) of before
+        space.symbol("fp8", ask.fp8)
     space.constraint(lambda p: global_batch % data(p) == 0, "the global batch divides over the data-parallel ranks")
     return space
 
@@ -157,6 +180,8 @@ def flags_of(point: Point) -> list[str]:
         flags += ["--expert-model-parallel-size", str(point["ep"])]
     if point.get("cp", 1) > 1:  # likewise: a point of one rank per sequence keeps its flags (and results)
         flags += ["--context-parallel-size", str(point["cp"])]
+    if point.get("fp8", "none") != "none":  # the format: the fixed flags' --fp8-format, else hybrid (fp8_candidates)
+        flags += ["--fp8-recipe", point["fp8"]]
     return [*flags, "--sequence-parallel"] if point["sp"] else flags
 
 
@@ -264,6 +289,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=_ints, default=[0, 1, 2, 3])
     p.add_argument("--micro-batch-sizes", type=_ints, default=[1, 2, 4, 8])
     p.add_argument("--recompute", type=lambda t: t.split(","), default=list(RECOMPUTE))
+    p.add_argument("--fp8", type=lambda t: t.split(","),
+                   help="FP8 recipes to try: none,tensorwise,rowwise (default: none; both with --fp8-format given)")  # fmt: skip
     p.add_argument("--memory-budget-gib", type=float)
     p.add_argument("--results", default="autotune-results.jsonl")
     p.add_argument("--warmup", type=int, default=1)
@@ -285,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
         if given:
             raise ConfigError(f"{', '.join(given)}: the tuner chooses these; give the candidates instead (--help)")
         check_candidates(ours)
+        base = fp8_candidates(ours, base)
         trial = [*base, "--train-iters", str(ours.warmup + ours.steps), "--eval-iters", "0"]
         # the model's shape, where the flags (or the embedded run) give it
         args = parse_args(ours.task, trial, prog="autotune.py")

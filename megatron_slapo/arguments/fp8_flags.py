@@ -61,6 +61,10 @@ def check_fp8(args: argparse.Namespace, problems: Problems) -> None:
                      "products, and the weights FP8 is cast from, are bf16)")  # fmt: skip
     if args.fp8_param_gather and args.engine != "fsdp":
         problems.add("--fp8-param-gather all-gathers FSDP2's weight shards in FP8: it needs --engine fsdp")
+    if args.fp8_param_gather and args.tensor_model_parallel_size > 1:
+        problems.add(f"--fp8-param-gather with --tensor-model-parallel-size {args.tensor_model_parallel_size}: torchao's "
+                     "float8 all-gather takes a weight's scale over the FSDP ranks, not over its tensor-parallel shards "
+                     "(each rank would round its shard otherwise)")  # fmt: skip
     if args.fp8_param_gather and args.fp8_recipe != "tensorwise":
         problems.add("--fp8-param-gather needs --fp8-recipe tensorwise (torchao's float8 all-gather scales whole tensors)")
     seq = getattr(args, "seq_length", None)  # None until the model's positions decide it (--hf-config)
@@ -84,13 +88,14 @@ def _torchao_problem() -> str | None:
     return None
 
 
-def fp8_recipe(args: argparse.Namespace) -> Fp8Recipe | None:
-    """The run's FP8 recipe (emulated on a CPU), or ``None`` without ``--fp8-format``; a GPU
-    without FP8 matrix units is refused here, before anything is built."""
+def fp8_recipe(args: argparse.Namespace, planned: bool = False) -> Fp8Recipe | None:
+    """The run's FP8 recipe, or ``None`` without ``--fp8-format``: emulated on a CPU, refused on a GPU
+    without FP8 matrix units (before anything is built). ``planned``: a run explain plans on meta
+    tensors for the GPUs it will run on, never emulated."""
     if args.fp8_format is None:
         return None
-    if not torch.cuda.is_available():
-        return Fp8Recipe(args.fp8_recipe, args.fp8_format, emulate=True)
+    if planned or not torch.cuda.is_available():
+        return Fp8Recipe(args.fp8_recipe, args.fp8_format, emulate=not planned)
     capability = torch.cuda.get_device_capability()
     if capability < MIN_CAPABILITY:
         name = torch.cuda.get_device_name()

@@ -18,7 +18,10 @@ import functools
 import logging
 from types import SimpleNamespace
 
+from typing import Any
+
 import torch
+from torch import nn
 
 def _torchao_import_note(record: logging.LogRecord) -> bool:
     """Whether ``record`` is one of the notes importing torchao logs on a machine without its CUDA
@@ -58,3 +61,15 @@ def is_float8(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` is already cast (torchao's ``Float8TrainingTensor``, as FSDP2's float8
     all-gather delivers a weight)."""
     return isinstance(tensor, torchao_float8().Float8TrainingTensor)
+
+
+def float8_gathered(weight: nn.Parameter, mm_config: Any, dtype: torch.dtype) -> nn.Parameter:
+    """``weight`` as a parameter FSDP2 all-gathers in float8: torchao's
+    ``fsdp_utils.WeightWithDynamicFloat8CastTensor``, which casts each shard with the whole weight's
+    scale (its amax all-reduced over the FSDP mesh) before the all-gather, and delivers a
+    ``Float8TrainingTensor``. ``torchao.float8.convert_to_float8_training`` applies it only to its
+    own ``Float8Linear`` modules; our FP8 layers keep their class."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return nn.Parameter(WeightWithDynamicFloat8CastTensor(weight.data, mm_config, dtype),
+                        requires_grad=weight.requires_grad)  # fmt: skip

@@ -41,6 +41,7 @@ from megatron_slapo.engines.local_step import LocalStep
 from megatron_slapo.engines.optimizer import global_norm, half_precision, local_part
 from megatron_slapo.engines.sharded_state import EngineState, Fill, Run, whole
 from megatron_slapo.errors import CheckpointError
+from megatron_slapo.kernels.fp8 import gather_weights_in_fp8
 from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.parallel.collectives import Group, allreduce_sequence_parallel_grads, group_rank, group_size
 
@@ -83,6 +84,8 @@ class FSDPEngine:
         # destroyed since) would be reused. The group's own name in the dimension name keeps them apart.
         mesh = DeviceMesh.from_group(dp_group, self.device.type, mesh_dim_names=(f"dp-{dp_group.group_name}",))
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        if args.fp8_param_gather:  # before fully_shard: it shards the float8-gathered weights
+            gather_weights_in_fp8(model)
         for path in transformer_layers(model, model.config.num_hidden_layers):
             fully_shard(model.get_submodule(path), mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)

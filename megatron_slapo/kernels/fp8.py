@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_slapo.compat.torchao_float8 import is_float8, torchao_float8
+from megatron_slapo.compat.torchao_float8 import float8_gathered, is_float8, torchao_float8
+from megatron_slapo.module_surgery import base_forward
 from megatron_slapo.parallel.collectives import Group, all_reduce_max
 
 RECIPES = ("tensorwise", "rowwise")  # torchao's recipes that train every product in FP8
@@ -176,3 +177,17 @@ class Fp8Forward:
     def __call__(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
         out = self.product(module, x)
         return out if module.bias is None else out + module.bias.to(out.dtype)
+
+
+def gather_weights_in_fp8(model: nn.Module) -> int:
+    """Make FSDP2 all-gather the weights of ``model``'s FP8 layers in float8 (``--fp8-param-gather``:
+    half the bytes of bf16), each shard cast with the whole weight's scale; call before
+    ``fully_shard``. Returns how many weights."""
+    count = 0
+    for module in model.modules():
+        forward = base_forward(module)
+        if isinstance(forward, Fp8Forward):
+            dtype = forward.recipe.config.cast_config_weight.target_dtype
+            module.weight = float8_gathered(module.weight, forward.recipe.mm_config, dtype)
+            count += 1
+    return count

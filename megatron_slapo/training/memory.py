@@ -65,9 +65,9 @@ class StepMeter:
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # no storage of its own (a DTensor, a sparse tensor)
-            return t
-        size, address = storage.nbytes(), storage.data_ptr()
+            size, address = storage.nbytes(), storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a DTensor, a sparse tensor, a
+            return t  # weight FSDP2 gathered in float8: a parameter, which is not counted anyway)
         if size and address not in self._alive and not self._is_weight(t, address):
             self._alive[address] = size
             self.total += size

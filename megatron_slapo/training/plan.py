@@ -217,7 +217,7 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
         )
     if args.sequence_parallel and settings.task != "vision":  # an image model's schedule splits the batch itself
         sequence.split_layers(sch, layers)
-    recipe = fp8_recipe(args)
+    recipe = fp8_recipe(args, planned=simulate_rank is not None)
     if recipe:  # after the schedule: a split layer agrees its scales over the ranks its role says
         print_rank_0(fp8.apply(sch, recipe, transformer_layers(model, config.num_hidden_layers), cp.group if cp else None))
     if recomputing:

@@ -2,9 +2,11 @@
 scale is agreed over the ranks that split the tensor it scales (emulated FP8, fp32 around it)."""
 
 import dataclasses
+from collections import OrderedDict
 
 import pytest
 import torch
+from torch import nn
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 from transformers.models.llama.modeling_llama import LlamaMLP
 
@@ -121,3 +123,32 @@ def test_a_sequence_split_over_ranks_agrees_its_scales_over_them(group, rank, wo
     assert relative_diff(y, y_ref[rows]) < TOL
     assert relative_diff(dx, dx_ref[rows]) < TOL
     assert relative_diff(dw, dw_ref) < TOL
+
+
+def test_fsdp_gathers_fp8_weights_in_float8_and_computes_what_one_process_does(group, rank, world):
+    """--fp8-param-gather: FSDP2 all-gathers each FP8 layer's weight shards already cast (half of
+    bf16's bytes), with the whole weight's scale, so the layer computes what it computes unsharded."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from megatron_slapo.compat.torchao_float8 import is_float8
+    from megatron_slapo.kernels.fp8 import gather_weights_in_fp8
+
+    make, mlp_layers, hidden = llama()
+    # a norm beside the MLP: FSDP2 gathers a unit of float8 and bf16 tensors as bytes (gloo has no float8)
+    ref, sharded = built_pair(lambda: nn.Sequential(OrderedDict(norm=nn.LayerNorm(hidden), mlp=make())))
+    layers = [f"mlp.{path}" for path in mlp_layers]
+    recipe = _recipe("tensorwise")
+    for model in (ref, sharded):
+        sch = create_schedule(model, None)
+        for path in layers:
+            sch[path].fp8(recipe)
+    assert gather_weights_in_fp8(sharded) == len(layers)
+    fully_shard(sharded, mesh=DeviceMesh.from_group(group, "cpu"))
+    seen = []
+    for path in layers:
+        sharded.get_submodule(path).register_forward_pre_hook(lambda m, args: seen.append(is_float8(m.weight)))
+    y_ref, dx_ref = _run(ref, hidden)
+    y, dx = _run(sharded, hidden)
+    assert seen == [True] * len(layers)
+    assert relative_diff(y, y_ref) < TOL and relative_diff(dx, dx_ref) < TOL

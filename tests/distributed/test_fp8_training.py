@@ -2,7 +2,7 @@
 ``--schedule auto`` (qwen3, qwen3_moe) at TP2, TP2 with sequence parallelism, PP2, ZeRO-3 and FSDP2
 over two data-parallel ranks, qwen3_moe's experts over two ranks, llama's and qwen3's sequence
 over two ranks, and GPT compiled at TP2, against the same FP8 run in one process (emulated FP8,
-bf16 around it).
+bf16 around it), and FSDP2 gathering the FP8 layers' weights in float8 (``--fp8-param-gather``).
 
 The tolerance is bf16's relative precision, 2^-8 (the bound a bf16 run keeps to the fp32 one,
 ``test_mixed_precision.py``), and the ``bf16`` cases are held to it too. A layout reorders bf16
@@ -47,7 +47,7 @@ PRECISIONS = {
 # o; gate, up, down); qwen3_moe's experts are grouped weights and its router stays: q, k, v, o only
 LAYERS = {"gpt": 8, "llama": 14, "qwen3": 14, "qwen3_moe": 8}
 TP2 = ["--tensor-model-parallel-size", "2"]
-LAYOUTS = {  # name -> (flags, the models trained at it: None for all)
+LAYOUTS = {  # name -> (flags, the models trained at it: None for all[, the precisions: all by default])
     "tp2": (TP2, None),
     "tp2-sp": ([*TP2, "--sequence-parallel"], None),
     "pp2": (["--engine", "megatron", "--pipeline-model-parallel-size", "2"], None),
@@ -56,11 +56,14 @@ LAYOUTS = {  # name -> (flags, the models trained at it: None for all)
     "ep2": (["--expert-model-parallel-size", "2"], ("qwen3_moe",)),
     "cp2": (["--context-parallel-size", "2"], ("llama", "qwen3")),  # scales agreed over the sequence's ranks too
     "tp2-compile": ([*TP2, "--compile"], ("gpt",)),  # the agreement's collectives traced with the layer
+    # the FP8 layers' weight shards all-gathered in float8 (torchao's; tensorwise scales only)
+    "fsdp-dp2-fp8-gather": (["--engine", "fsdp", "--fp8-param-gather"], ("gpt", "llama"), ("fp8-tensorwise",)),
 }
 # The README's suite: each recipe, each model and each layout at least once; the rest in the slow tier
 DEFAULT = {("gpt", "tp2-sp", "bf16"), ("qwen3_moe", "tp2", "bf16"), ("gpt", "tp2-sp", "fp8-tensorwise"), ("llama", "tp2", "fp8-rowwise"), ("qwen3_moe", "tp2", "fp8-tensorwise"),
            ("qwen3", "pp2", "fp8-rowwise"), ("gpt", "zero3-dp2", "fp8-rowwise"), ("llama", "fsdp-dp2", "fp8-tensorwise"),
-           ("qwen3_moe", "ep2", "fp8-rowwise"), ("llama", "cp2", "fp8-tensorwise")}  # fmt: skip
+           ("qwen3_moe", "ep2", "fp8-rowwise"), ("llama", "cp2", "fp8-tensorwise"),
+           ("llama", "fsdp-dp2-fp8-gather", "fp8-tensorwise")}  # fmt: skip
 
 
 def _argv(key: str) -> list[str]:
@@ -72,7 +75,8 @@ def _argv(key: str) -> list[str]:
 CASES = [
     pytest.param(f"{model}/{precision}", flags, id=f"{model}-{layout}-{precision}",
                  marks=layout_case(model, layout, (2,), flags, slow=(model, layout, precision) not in DEFAULT).marks)
-    for layout, (flags, models) in LAYOUTS.items() for model in models or MODELS for precision in PRECISIONS
+    for layout, (flags, models, *precisions) in LAYOUTS.items() for model in models or MODELS
+    for precision in (precisions[0] if precisions else PRECISIONS)
 ]  # fmt: skip
 
 
