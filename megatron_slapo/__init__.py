@@ -12,10 +12,7 @@ import warnings
 # megatron-core warns on import that apex / Transformer Engine are missing; we use torch-native paths.
 warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
 
-from megatron_slapo.compat.torchao_float8 import quiet_torchao_import  # noqa: E402
 from megatron_slapo.compat.versions import UnsupportedVersionError, check_versions  # noqa: E402
-
-quiet_torchao_import()  # transformers imports torchao (FP8's) when it is installed: its notes on a CPU are noise
 
 # Before the imports below: a private name they reach may be what an unsupported version lacks.
 # A refusal is one line, like every input error, rather than a traceback through the imports.
@@ -23,6 +20,10 @@ try:
     check_versions()
 except UnsupportedVersionError as e:
     sys.exit(f"megatron_slapo: error: {e}")
+
+from megatron_slapo.compat.torchao_float8 import quiet_torchao_import  # noqa: E402
+
+quiet_torchao_import()  # transformers imports torchao (FP8's) when it is installed: its notes on a CPU are noise
 
 from megatron_slapo.build import build  # noqa: E402
 from megatron_slapo.errors import SchedulingError  # noqa: E402

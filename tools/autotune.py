@@ -66,10 +66,10 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from megatron_slapo.arguments.parser import parse_args  # noqa: E402
 from megatron_slapo.errors import ConfigError  # noqa: E402
+from megatron_slapo.kernels.fp8 import RECIPES  # noqa: E402
 from megatron_slapo.training import error_report  # noqa: E402
 from megatron_slapo.training.settings import resolve_settings  # noqa: E402
 from megatron_slapo.tuning.search import Cost, ring_traffic, search  # noqa: E402
-from megatron_slapo.kernels.fp8 import RECIPES  # noqa: E402
 from megatron_slapo.tuning.space import Point, Space  # noqa: E402
 
 RECOMPUTE = {"none": [], "selective": ["--recompute-granularity", "selective"],

@@ -11,6 +11,7 @@ training recipe here, so they are refused with what to use instead.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import torch
 
@@ -29,8 +30,8 @@ UNAVAILABLE = {
 MIN_CAPABILITY = (8, 9)  # FP8 matrix units: Ada (8.9) and Hopper (9.0) onwards
 
 
-def add_fp8_arguments(g: argparse._ArgumentGroup) -> None:
-    """The FP8 flags, added to the training group."""
+def add_fp8_arguments(g: Any) -> None:
+    """The FP8 flags, added to ``g``: the parser's training group (an argparse argument group)."""
     g.add_argument("--fp8-format", help=f"train the transformer layers' Linear products in FP8 ({' or '.join(FORMATS)}; "
                    "hybrid: e4m3 forward, e5m2 gradients); needs --bf16. Emulated (and said so) without FP8 hardware")  # fmt: skip
     g.add_argument("--fp8-recipe", default="tensorwise",
@@ -66,7 +67,9 @@ def check_fp8(args: argparse.Namespace, problems: Problems) -> None:
                      "float8 all-gather takes a weight's scale over the FSDP ranks, not over its tensor-parallel shards "
                      "(each rank would round its shard otherwise)")  # fmt: skip
     if args.fp8_param_gather and args.fp8_recipe != "tensorwise":
-        problems.add("--fp8-param-gather needs --fp8-recipe tensorwise (torchao's float8 all-gather scales whole tensors)")
+        problems.add(
+            "--fp8-param-gather needs --fp8-recipe tensorwise (torchao's float8 all-gather scales whole tensors)"
+        )
     seq = getattr(args, "seq_length", None)  # None until the model's positions decide it (--hf-config)
     tokens = args.micro_batch_size * seq // args.context_parallel_size if seq and args.micro_batch_size else None
     if tokens is not None and tokens % 16:

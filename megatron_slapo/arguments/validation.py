@@ -14,8 +14,8 @@ import argparse
 import math
 import re
 
-from megatron_slapo.arguments.fp8_flags import check_fp8
 from megatron_slapo.arguments.family_flags import flags_not_taken
+from megatron_slapo.arguments.fp8_flags import check_fp8
 from megatron_slapo.arguments.parser import (
     BERT_MODEL_TYPES,
     GPT_MODEL_TYPES,

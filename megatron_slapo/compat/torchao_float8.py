@@ -17,11 +17,11 @@ from __future__ import annotations
 import functools
 import logging
 from types import SimpleNamespace
-
 from typing import Any
 
 import torch
 from torch import nn
+
 
 def _torchao_import_note(record: logging.LogRecord) -> bool:
     """Whether ``record`` is one of the notes importing torchao logs on a machine without its CUDA

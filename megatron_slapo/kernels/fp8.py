@@ -46,7 +46,9 @@ class Fp8Recipe:
 
     def __post_init__(self) -> None:
         if self.recipe not in RECIPES or self.format not in FORMATS:
-            raise ValueError(f"FP8 recipe {self.recipe!r} / format {self.format!r}: expected one of {RECIPES} / {FORMATS}")
+            raise ValueError(
+                f"FP8 recipe {self.recipe!r} / format {self.format!r}: expected one of {RECIPES} / {FORMATS}"
+            )
 
     @functools.cached_property
     def config(self) -> Any:
@@ -66,7 +68,9 @@ class Fp8Recipe:
         """torchao's ``LinearMMConfig``: the three products' GEMM settings, as ``Float8Linear`` sets them."""
         ao, c = torchao_float8(), self.config
         gemms = (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight)
-        return ao.LinearMMConfig(*(ao.ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in gemms))
+        return ao.LinearMMConfig(
+            *(ao.ScaledMMConfig(c.emulate, g.use_fast_accum, False, c.pad_inner_dim) for g in gemms)
+        )
 
     def describe(self) -> str:
         """``"fp8 tensorwise hybrid"``; with ``(emulated)`` when it computes in fp32."""
@@ -105,7 +109,7 @@ def _cast(tensor: torch.Tensor, cast: Any, recipe: Fp8Recipe, role: Any, axis: i
                                             None if tensorwise else axis)  # fmt: skip
 
 
-@torch._dynamo.allow_in_graph
+@torch.compiler.allow_in_graph
 class _Fp8Product(torch.autograd.Function):
     """``x @ weight_t`` (``weight`` stored as ``(out, in)`` when ``transposed``, as nn.Linear stores
     it) with its three products in FP8, following ``matmul_with_hp_or_float8_args`` cast for cast."""
@@ -118,7 +122,9 @@ class _Fp8Product(torch.autograd.Function):
         ao, c = torchao_float8(), recipe.config
         weight_t = weight.t() if transposed else weight
         x_fp8 = _cast(x, c.cast_config_input, recipe, ao.GemmInputRole.INPUT, -1, (splits.tokens, splits.inputs))
-        w_fp8 = _cast(weight_t, c.cast_config_weight, recipe, ao.GemmInputRole.WEIGHT, 0, (splits.inputs, splits.outputs))
+        w_fp8 = _cast(
+            weight_t, c.cast_config_weight, recipe, ao.GemmInputRole.WEIGHT, 0, (splits.inputs, splits.outputs)
+        )
         return torch.mm(x_fp8, w_fp8)
 
     @staticmethod

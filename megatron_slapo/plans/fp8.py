@@ -58,8 +58,11 @@ def apply(sch: Schedule, recipe: Fp8Recipe, layers: list[str], tokens: Group = N
             node.fp8(recipe, tokens=tokens)
             converted += 1
     if not converted:
-        raise SchedulingError(f"--fp8-format: no Linear layer of the transformer layers can run in FP8 ("
-                              + "; ".join(f"{path}: {why}" for path, why in kept.items()) + ")")
+        raise SchedulingError(
+            "--fp8-format: no Linear layer of the transformer layers can run in FP8 ("
+            + "; ".join(f"{path}: {why}" for path, why in kept.items())
+            + ")"
+        )
     how = f"{recipe.recipe} scaling, {recipe.format} format"
     if recipe.emulate:
         how += "; emulated: no FP8 matrix units here, so the FP8 values are multiplied in fp32"

@@ -219,7 +219,9 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
         sequence.split_layers(sch, layers)
     recipe = fp8_recipe(args, planned=simulate_rank is not None)
     if recipe:  # after the schedule: a split layer agrees its scales over the ranks its role says
-        print_rank_0(fp8.apply(sch, recipe, transformer_layers(model, config.num_hidden_layers), cp.group if cp else None))
+        print_rank_0(
+            fp8.apply(sch, recipe, transformer_layers(model, config.num_hidden_layers), cp.group if cp else None)
+        )
     if recomputing:
         depths = config.num_hidden_layers if shared_layers(model) else None  # ALBERT: one layer, several depths
         print_rank_0(recompute.apply(sch, args, layers, stages, depths))
@@ -317,5 +319,3 @@ def _layers(args: argparse.Namespace, model: Any, num_layers: int, stages: int) 
                               f"{flag} needs a module per depth (recompute with --recompute-method uniform or "
                               "--recompute-granularity selective)")  # fmt: skip
     return shared
-
-

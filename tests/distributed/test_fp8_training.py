@@ -83,8 +83,9 @@ CASES = [
 @pytest.fixture(scope="module")
 def reference(shared_tmp, cache, request):
     """One process's losses per model and precision, those this session's cases use computed together."""
-    return reference_losses(shared_tmp, lambda key: ("gpt", [*_argv(key), "--data-cache-path", cache]),
-                            asked(request, "key"))
+    return reference_losses(
+        shared_tmp, lambda key: ("gpt", [*_argv(key), "--data-cache-path", cache]), asked(request, "key")
+    )
 
 
 @pytest.mark.parametrize("key, flags", CASES)
@@ -96,6 +97,8 @@ def test_fp8_trains_at_each_layout_as_one_process(key, flags, reference, shared_
     assert_parity(losses, expected, TOLERANCE * max(expected.values()))
     if "fp8" in key:  # the layout ran its layers in FP8, as many as one process does (MODELS' projections)
         recipe = key.split("-")[-1]
-        assert [(how.split(",")[0], int(count)) for how, count in notes] == [(f"{recipe} scaling", LAYERS[key.split("/")[0]])]
+        assert [(how.split(",")[0], int(count)) for how, count in notes] == [
+            (f"{recipe} scaling", LAYERS[key.split("/")[0]])
+        ]
     else:
         assert notes == []
