@@ -132,3 +132,16 @@ def test_checkpoints_stay_in_the_master_precision_and_resume_with_or_without_fp8
     assert sorted(losses) == [1, 2, 3, 4, 5, 6] and all(torch.isfinite(torch.tensor(list(losses.values()))))
     dtypes = _dtypes(tmp_path / "ck" / "iter_0000002")
     assert dtypes and not any(dtype.is_floating_point and dtype.itemsize == 1 for dtype in dtypes), dtypes
+
+
+def test_a_layer_the_schedule_runs_in_fp8_keeps_its_recipe():
+    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=128, vocab_size=128)  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    sch = ms.create_schedule(model)
+    sch["model.layers.0.mlp.down_proj"].fp8(Fp8Recipe("rowwise", "e4m3", emulate=True))
+    note = fp8.apply(sch, Fp8Recipe(emulate=True), ["model.layers.0"])
+    assert ": 7 Linear layers of 1 transformer layers" in note
+    assert sch["model.layers.0.mlp.down_proj"].metadata.fp8 == "fp8 rowwise e4m3 (emulated)"
+    assert sch["model.layers.0.mlp.up_proj"].metadata.fp8 == "fp8 tensorwise hybrid (emulated)"

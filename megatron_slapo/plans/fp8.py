@@ -9,7 +9,8 @@ most), and inside them the norms and an MoE router do too (a router's scores pic
 error there moves tokens). A matrix the layers hold that cannot run in FP8 is named in the note
 the trainer prints, with the reason: a Linear whose dimensions are not multiples of 16, grouped
 3-D expert weights (torchao's FP8 grouped GEMM is a CUDA-only prototype, with no emulation to
-test it by), a layer whose forward is its own.
+test it by), a layer whose forward is its own. A layer the schedule already runs in FP8 keeps
+the schedule's recipe.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def apply(sch: Schedule, recipe: Fp8Recipe, layers: list[str], tokens: Group = N
     for layer in layers:
         for relative, node in sch[layer].named_schedules():
             if not _matrices(node.mod):
+                continue
+            if node.metadata.fp8:  # the schedule named it (with a recipe of its own)
+                converted += 1
                 continue
             path = f"{layer}.{relative}" if relative else layer
             why = _why_kept(path, node.mod)

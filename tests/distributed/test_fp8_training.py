@@ -1,8 +1,10 @@
 """``--fp8-format`` trains at every layout as one process does: 10 steps of gpt_tp, llama_tp and
-``--schedule auto`` (qwen3, qwen3_moe) at TP2, TP2 with sequence parallelism, PP2, ZeRO-3 and FSDP2
-over two data-parallel ranks, qwen3_moe's experts over two ranks, llama's and qwen3's sequence
-over two ranks, and GPT compiled at TP2, against the same FP8 run in one process (emulated FP8,
-bf16 around it), and FSDP2 gathering the FP8 layers' weights in float8 (``--fp8-param-gather``).
+``--schedule auto`` (qwen3, qwen3_moe), against the same FP8 run in one process (emulated FP8,
+bf16 around it), at TP2, TP2 with sequence parallelism, PP2, ZeRO-3 and FSDP2 over two
+data-parallel ranks; and qwen3_moe's experts over two ranks, llama's and qwen3's sequence over two
+ranks, GPT compiled at TP2, GPT and llama recomputing every layer at TP2, with megatron-core's
+distributed optimizer over two ranks, and with FSDP2 gathering the FP8 layers' weights in float8
+(``--fp8-param-gather``).
 
 The tolerance is bf16's relative precision, 2^-8 (the bound a bf16 run keeps to the fp32 one,
 ``test_mixed_precision.py``), and the ``bf16`` cases are held to it too. A layout reorders bf16
@@ -56,6 +58,8 @@ LAYOUTS = {  # name -> (flags, the models trained at it: None for all[, the prec
     "ep2": (["--expert-model-parallel-size", "2"], ("qwen3_moe",)),
     "cp2": (["--context-parallel-size", "2"], ("llama", "qwen3")),  # scales agreed over the sequence's ranks too
     "tp2-compile": ([*TP2, "--compile"], ("gpt",)),  # the agreement's collectives traced with the layer
+    "tp2-recompute-full": ([*TP2, "--recompute-granularity", "full"], ("gpt", "llama")),  # FP8 recomputed alike
+    "dp2-distopt": (["--engine", "megatron", "--use-distributed-optimizer"], ("gpt", "llama")),
     # the FP8 layers' weight shards all-gathered in float8 (torchao's; tensorwise scales only)
     "fsdp-dp2-fp8-gather": (["--engine", "fsdp", "--fp8-param-gather"], ("gpt", "llama"), ("fp8-tensorwise",)),
 }
