@@ -190,7 +190,7 @@ def measure(row: Row, warmup: int, steps: int, peak_tflops: float | None) -> dic
     memory = {side: step_memory(run) for side, run in runs.items()}
     tokens = row.batch * row.seq
     flops = flops_per_token(transformers.AutoModelForCausalLM, row.config(), row.seq) * tokens
-    result = {**dataclasses.asdict(row), "device": _device_name(), "warmup": warmup, "steps": steps}
+    result = {**dataclasses.asdict(row), "device": device_name(), "warmup": warmup, "steps": steps}
     for side in runs:
         tflops = flops / step[side] / 1e12
         result[side] = {"step_ms": step[side] * 1e3, "tokens_per_s": tokens / step[side], "tflops": tflops,
@@ -201,7 +201,8 @@ def measure(row: Row, warmup: int, steps: int, peak_tflops: float | None) -> dic
     return result
 
 
-def _device_name() -> str:
+def device_name() -> str:
+    """The GPU's name, or the CPU's cores and torch's threads: where a benchmark ran."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return f"CPU ({os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"

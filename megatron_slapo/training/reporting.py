@@ -131,7 +131,9 @@ class Reporter:
         if self.is_last:
             print(line, flush=True)
 
-    def _rates(self, seconds_per_iteration: float) -> tuple[float, float, float | None]:
+    def rates(self, seconds_per_iteration: float) -> tuple[float, float, float | None]:
+        """(model TFLOP/s per rank, units per second, MFU in percent or None without a peak) at
+        ``seconds_per_iteration``: what the log line shows, and a trial reports."""
         tflops = self.flops / (seconds_per_iteration * 1e12 * self.world)
         per_second = self.per_iteration / seconds_per_iteration
         mfu = 100 * tflops / self.peak if self.peak else None
@@ -186,7 +188,7 @@ class Reporter:
             self._reset()
 
     def _scalars(self, iteration: int, consumed: int, result: StepResult, seconds: float) -> None:
-        tflops, tps, mfu = self._rates(seconds)
+        tflops, tps, mfu = self.rates(seconds)
         scalars = {
             "learning-rate": result.learning_rate, "batch-size": self.args.global_batch_size,
             "loss-scale": result.loss_scale, "world-size": self.world, "iteration-time": seconds,
@@ -214,7 +216,7 @@ class Reporter:
 
     def _line(self, iteration: int, consumed: int, result: StepResult) -> None:
         per_iteration = self.seconds / max(self.steps, 1)
-        tflops, tps, mfu = self._rates(per_iteration)
+        tflops, tps, mfu = self.rates(per_iteration)
         counted = max(self.counted, 1)
         fields = [
             f"[{_now()}] iteration {iteration:8d}/{self.args.train_iters:8d}",

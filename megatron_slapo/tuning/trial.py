@@ -7,9 +7,11 @@ and the result written as JSON (``tools/autotune.py`` reads the file, never the 
 The trainer's own :func:`~megatron_slapo.training.run.setup` builds the run, so a trial is the
 run the printed command starts. After ``--warmup`` steps (compilation, DeepSpeed's first-step
 bookkeeping), each of ``--steps`` steps is timed on every rank between barriers and counted as the
-slowest rank's time; the median is the result, with throughput and the loss. Peak memory is the
-device's high-water mark (CUDA), else the process's resident set. Any failure (an input error, a
-CUDA out-of-memory) is a result too: ``{"error": ...}``.
+slowest rank's time; the median is the result, with throughput, model TFLOP/s and MFU (as the
+log line counts them) and the loss. Peak memory is the device's high-water mark (CUDA), else the
+process's resident set. Any failure (an input error, a CUDA out-of-memory) is a result too:
+``{"error": ...}``. :func:`measure_steps` is the measurement alone, for a benchmark that times
+several configurations in one process (``tools/bench_fp8.py``).
 """
 
 from __future__ import annotations
@@ -53,9 +55,14 @@ def step_batches(run: Run) -> Iterator[Callable[[], list[dict]]]:
         run.reporter.close()
 
 
-def _steps(task: str, argv: list[str], warmup: int, steps: int) -> dict:
+def measure_steps(task: str, argv: list[str], warmup: int, steps: int) -> dict:
+    """Set up ``pretrain_<task>.py <argv>`` in this process and time ``steps`` training steps after
+    ``warmup``: their median (the slowest rank's), throughput, TFLOP/s and MFU (``mfu_percent``:
+    None without a known peak), peak memory (the device's since this call) and the last metrics."""
     args = parse_args(task, argv)
     args.train_iters = max(args.train_iters or 0, warmup + steps)  # the data must cover the trial
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()  # this run's peak, where one process measures several
     run = setup(args)
     with step_batches(run) as next_step:
         times, loss = [], None
@@ -79,8 +86,15 @@ def _steps(task: str, argv: list[str], warmup: int, steps: int) -> dict:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
     peak_all = torch.tensor([peak], dtype=torch.float64)
     dist.all_reduce(peak_all, op=dist.ReduceOp.MAX)
+    tflops, _, mfu = run.reporter.rates(seconds)
     return {"step_seconds": seconds, "per_second": unit / seconds, "unit": "samples" if task == "vision" else "tokens",
-            "peak_bytes": int(peak_all.item()), "steps": times, "metrics": loss}  # fmt: skip
+            "tflops": tflops, "mfu_percent": mfu, "peak_bytes": int(peak_all.item()), "steps": times,
+            "metrics": loss}  # fmt: skip
+
+
+def error_line(error: BaseException) -> str:
+    """A failure as a result's one line: its type and the first line of its message."""
+    return f"{type(error).__name__}: {error}".splitlines()[0][:500]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,9 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     ours = parser.parse_args(argv)
     trainer = ours.trainer[1:] if ours.trainer[:1] == ["--"] else ours.trainer
     try:
-        result = _steps(ours.task, trainer, ours.warmup, ours.steps)
+        result = measure_steps(ours.task, trainer, ours.warmup, ours.steps)
     except (ValueError, RuntimeError, FileNotFoundError) as e:  # input errors, out of memory: the result
-        result = {"error": f"{type(e).__name__}: {e}".splitlines()[0][:500]}
+        result = {"error": error_line(e)}
     if not dist.is_initialized() or dist.get_rank() == 0:
         with open(ours.out, "w") as f:
             json.dump(result, f)
