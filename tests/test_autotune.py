@@ -345,25 +345,25 @@ def autotune_args(argv):
 
 
 def test_fp8_recipes_are_a_dimension_where_asked_with_bf16():
-    """--fp8 lists the recipes (bf16 alone: none); each point's flags carry its --fp8-recipe, the
-    format the fixed flags' --fp8-format or hybrid; FP8 without --bf16 is refused."""
+    """--fp8 lists the recipes (bf16 alone: none); an FP8 point's flags carry --fp8-format (the fixed
+    flags', else hybrid) and its --fp8-recipe, a bf16 point neither; FP8 without --bf16 is refused."""
     from tools import autotune
 
     ask = autotune_args(["--fp8", "none,tensorwise,rowwise", "--sp", "off", "--recompute", "none",
                          "--micro-batch-sizes", "1", "--zero", "0"])  # fmt: skip
-    base = autotune.fp8_candidates(ask, ["--bf16"])
-    assert base == ["--bf16", "--fp8-format", "hybrid"]
+    assert autotune.fp8_candidates(ask, ["--bf16"]) == ["--bf16"]
     points = list(autotune.gpt_space(2, 2, 4, 8, ask))
-    assert sorted({p["fp8"] for p in points}) == ["none", "rowwise", "tensorwise"]
-    assert "--fp8-recipe" not in autotune.flags_of(next(p for p in points if p["fp8"] == "none"))
-    flags = autotune.flags_of(next(p for p in points if p["fp8"] == "rowwise"))
-    assert flags[flags.index("--fp8-recipe") + 1] == "rowwise"
+    assert sorted({p["fp8"] for p in points}) == ["hybrid/rowwise", "hybrid/tensorwise", "none"]
+    plain = autotune.flags_of(next(p for p in points if p["fp8"] == "none"))
+    assert "--fp8-recipe" not in plain and "--fp8-format" not in plain
+    flags = autotune.flags_of(next(p for p in points if p["fp8"] == "hybrid/rowwise"))
+    assert flags[flags.index("--fp8-format") + 1] == "hybrid" and flags[flags.index("--fp8-recipe") + 1] == "rowwise"
     given = autotune_args([])
-    assert autotune.fp8_candidates(given, ["--bf16", "--fp8-format", "e4m3"]) == ["--bf16", "--fp8-format", "e4m3"]
-    assert given.fp8 == ["tensorwise", "rowwise"]
-    plain = autotune_args([])
-    assert autotune.fp8_candidates(plain, ["--bf16"]) == ["--bf16"] and "fp8" not in next(iter(
-        autotune.gpt_space(2, 2, 4, 8, plain)))  # fmt: skip
+    assert autotune.fp8_candidates(given, ["--bf16", "--fp8-format=e4m3"]) == ["--bf16"]
+    assert given.fp8 == ["e4m3/tensorwise", "e4m3/rowwise"]
+    bf16 = autotune_args([])
+    assert autotune.fp8_candidates(bf16, ["--bf16"]) == ["--bf16"]
+    assert "fp8" not in next(iter(autotune.gpt_space(2, 2, 4, 8, bf16)))
     with pytest.raises(ConfigError, match=r"^--fp8 tensorwise: FP8 needs --bf16 among the trainer's flags"):
         autotune.fp8_candidates(autotune_args(["--fp8", "tensorwise"]), [])
     with pytest.raises(ConfigError, match=r"^--fp8 delayed: choose from none,tensorwise,rowwise"):

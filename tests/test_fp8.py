@@ -2,6 +2,8 @@
 cannot run, the trainer's default set says what it keeps, and checkpoints stay in the master
 precision (an FP8 run resumes without FP8 and the reverse)."""
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -145,3 +147,36 @@ def test_a_layer_the_schedule_runs_in_fp8_keeps_its_recipe():
     assert ": 7 Linear layers of 1 transformer layers" in note
     assert sch["model.layers.0.mlp.down_proj"].metadata.fp8 == "fp8 rowwise e4m3 (emulated)"
     assert sch["model.layers.0.mlp.up_proj"].metadata.fp8 == "fp8 tensorwise hybrid (emulated)"
+
+
+def test_every_fp8_layer_is_gathered_in_float8_a_row_parallel_one_with_a_bias_too():
+    """--fp8-param-gather wraps the weight of each FP8 layer, whichever forward holds its FP8 product
+    (a row-parallel layer with a bias reduces it before adding the bias: gpt_tp's c_proj at TP 1)."""
+    from megatron_slapo.kernels.fp8 import gather_weights_in_fp8
+
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    sch = ms.create_schedule(model)
+    sch["2"].shard("weight", axis=1)  # row-parallel over one rank, with its bias: reduce, then the bias
+    for path in ("0", "2"):
+        sch[path].fp8(Fp8Recipe(emulate=True))
+    model = ms.build(sch)
+    assert gather_weights_in_fp8(model) == 2
+    assert {type(model[i].weight.data).__name__ for i in (0, 2)} == {"WeightWithDynamicFloat8CastTensor"}
+
+
+def test_t5s_decoder_tokens_are_checked_too(capsys):
+    argv = [*GPT, *SIZES, *TRAIN, *SIXTEEN, *FP8, "--decoder-seq-length", "9"]
+    assert one_error_line("t5", argv, capsys) == (
+        "--fp8-format: a micro-batch's 18 decoder tokens (per context-parallel rank) are not a multiple of 16, as "
+        "the FP8 GEMM of the weight gradient needs")  # fmt: skip
+
+
+def test_albert_runs_its_shared_layer_in_fp8(tmp_path, capsys):
+    """ALBERT runs one layer at every depth: FP8 takes that layer's Linear layers (q, k, v, its
+    attention's output, the FFN's two)."""
+    argv = [*SIZES, *TRAIN, *SIXTEEN, *FP8, "--model-type", "albert", "--data-cache-path", str(tmp_path),
+            "--tensorboard-dir", str(tmp_path / "tb")]  # fmt: skip
+    pretrain("bert", argv)
+    assert re.search(r"^> FP8 \(tensorwise scaling.*\): 6 Linear layers of 1 transformer layers", capsys.readouterr().out,
+                     re.M)  # fmt: skip
+    assert sorted(tb_scalars(str(tmp_path / "tb"), "lm loss")) == [1, 2]

@@ -25,8 +25,9 @@ the tuner chooses the rest, from the candidates given (every one by default):
 - ``mbs``: micro-batch sizes dividing the global batch per data-parallel rank;
 - ``recompute``: none, selective (attention cores) or full (every layer);
 - ``fp8``: the FP8 recipes ``--fp8`` lists (``--fp8-recipe``; none: bf16 alone), only with ``--bf16`` among
-  the fixed flags. The format is ``--fp8-format`` among them (default hybrid); given, FP8 is asked for
-  and the default candidates are both recipes, else none (FP8 rounds otherwise: a user opts in).
+  the fixed flags; a point's value is ``FORMAT/RECIPE``, the format ``--fp8-format`` among the fixed
+  flags (default hybrid). Given, FP8 is asked for and the default candidates are both recipes, else
+  none (FP8 rounds otherwise: a user opts in).
 
 Each point is explained first (:mod:`megatron_slapo.estimates.estimate`, in this process, no
 training): points over ``--memory-budget-gib`` (default: the GPU's memory, else this machine's
@@ -118,19 +119,25 @@ def check_candidates(ours: argparse.Namespace) -> None:
 
 
 def fp8_candidates(ours: argparse.Namespace, base: list[str]) -> list[str]:
-    """Set ``ours.fp8`` (the recipes to try, see the module docstring) and return the fixed flags,
-    with ``--fp8-format hybrid`` added where a recipe is tried and they give no format."""
-    given = "--fp8-format" in {f.split("=")[0] for f in base}
-    ours.fp8 = ours.fp8 or (list(RECIPES) if given else ["none"])
-    unknown = [r for r in ours.fp8 if r not in ("none", *RECIPES)]
+    """Set ``ours.fp8`` to the points' FP8 values ("none", or "FORMAT/RECIPE": see the module
+    docstring) and return the fixed flags less ``--fp8-format``, which each point then carries."""
+    fixed, fmt, i = [], None, 0
+    while i < len(base):
+        flag, _, value = base[i].partition("=")
+        if flag == "--fp8-format":
+            fmt, i = (value, i + 1) if value else (base[i + 1] if i + 1 < len(base) else "", i + 2)
+        else:
+            fixed, i = [*fixed, base[i]], i + 1
+    recipes = ours.fp8 or (list(RECIPES) if fmt else ["none"])
+    unknown = [r for r in recipes if r not in ("none", *RECIPES)]
     if unknown:
         raise ConfigError(f"--fp8 {','.join(unknown)}: choose from none,{','.join(RECIPES)}")
-    if given and "none" in ours.fp8:
+    if fmt and "none" in recipes:
         raise ConfigError("--fp8 none with --fp8-format among the fixed flags: drop --fp8-format to try bf16 alone too")
-    fp8 = ours.fp8 != ["none"]
-    if fp8 and "--bf16" not in base:
-        raise ConfigError(f"--fp8 {','.join(ours.fp8)}: FP8 needs --bf16 among the trainer's flags")
-    return [*base, "--fp8-format", "hybrid"] if fp8 and not given else base
+    if recipes != ["none"] and "--bf16" not in fixed:
+        raise ConfigError(f"--fp8 {','.join(recipes)}: FP8 needs --bf16 among the trainer's flags")
+    ours.fp8 = [r if r == "none" else f"{fmt or 'hybrid'}/{r}" for r in recipes]
+    return fixed
 
 
 def gpt_space(world: int, layers: int | None, heads: int | None, global_batch: int, ask: argparse.Namespace,
@@ -180,8 +187,9 @@ def flags_of(point: Point) -> list[str]:
         flags += ["--expert-model-parallel-size", str(point["ep"])]
     if point.get("cp", 1) > 1:  # likewise: a point of one rank per sequence keeps its flags (and results)
         flags += ["--context-parallel-size", str(point["cp"])]
-    if point.get("fp8", "none") != "none":  # the format: the fixed flags' --fp8-format, else hybrid (fp8_candidates)
-        flags += ["--fp8-recipe", point["fp8"]]
+    if point.get("fp8", "none") != "none":  # "FORMAT/RECIPE" (fp8_candidates)
+        fmt, recipe = point["fp8"].split("/")
+        flags += ["--fp8-format", fmt, "--fp8-recipe", recipe]
     return [*flags, "--sequence-parallel"] if point["sp"] else flags
 
 

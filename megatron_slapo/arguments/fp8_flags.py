@@ -70,14 +70,26 @@ def check_fp8(args: argparse.Namespace, problems: Problems) -> None:
         problems.add(
             "--fp8-param-gather needs --fp8-recipe tensorwise (torchao's float8 all-gather scales whole tensors)"
         )
-    seq = getattr(args, "seq_length", None)  # None until the model's positions decide it (--hf-config)
-    tokens = args.micro_batch_size * seq // args.context_parallel_size if seq and args.micro_batch_size else None
-    if tokens is not None and tokens % 16:
-        problems.add(f"--fp8-format: a micro-batch's {tokens} tokens (per context-parallel rank) are not a multiple of "
-                     "16, as the FP8 GEMM of the weight gradient needs")  # fmt: skip
+    tokens = tokens_problem(args, getattr(args, "seq_length", None))  # None until the model decides it
+    if tokens:
+        problems.add(tokens)
     missing = _torchao_problem()
     if missing:
         problems.add(f"--fp8-format: {missing}")
+
+
+def tokens_problem(args: argparse.Namespace, seq_length: int | None) -> str | None:
+    """Why a micro-batch's tokens (of ``seq_length``, and T5's decoder's) cannot feed the FP8 GEMM
+    of a weight gradient, whose inner dimension they are: not a multiple of 16 (per
+    context-parallel rank). ``None`` while the sequence length is not known yet."""
+    lengths = {"": seq_length, " decoder": getattr(args, "decoder_seq_length", None)}
+    for which, length in lengths.items():
+        if args.fp8_format and length and args.micro_batch_size:
+            tokens = args.micro_batch_size * length // args.context_parallel_size
+            if tokens % 16:
+                return (f"--fp8-format: a micro-batch's {tokens}{which} tokens (per context-parallel rank) are not a "
+                        "multiple of 16, as the FP8 GEMM of the weight gradient needs")  # fmt: skip
+    return None
 
 
 def _torchao_problem() -> str | None:

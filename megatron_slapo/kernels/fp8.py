@@ -185,14 +185,22 @@ class Fp8Forward:
         return out if module.bias is None else out + module.bias.to(out.dtype)
 
 
+def fp8_forward(module: nn.Module) -> Fp8Forward | None:
+    """The :class:`Fp8Forward` ``module`` computes with: its base forward, or the product inside
+    the base that a row-parallel layer with a bias keeps (reduce, then add the bias)."""
+    product = getattr(base_forward(module), "product", None)  # a bound Fp8Forward.product in both cases
+    owner = getattr(product, "__self__", None)
+    return owner if isinstance(owner, Fp8Forward) else None
+
+
 def gather_weights_in_fp8(model: nn.Module) -> int:
     """Make FSDP2 all-gather the weights of ``model``'s FP8 layers in float8 (``--fp8-param-gather``:
     half the bytes of bf16), each shard cast with the whole weight's scale; call before
     ``fully_shard``. Returns how many weights."""
     count = 0
     for module in model.modules():
-        forward = base_forward(module)
-        if isinstance(forward, Fp8Forward):
+        forward = fp8_forward(module)
+        if forward is not None:
             dtype = forward.recipe.config.cast_config_weight.target_dtype
             module.weight = float8_gathered(module.weight, forward.recipe.mm_config, dtype)
             count += 1

@@ -9,7 +9,10 @@ most), and inside them the norms and an MoE router do too (a router's scores pic
 error there moves tokens). A matrix the layers hold that cannot run in FP8 is named in the note
 the trainer prints, with the reason: a Linear whose dimensions are not multiples of 16, grouped
 3-D expert weights (torchao's FP8 grouped GEMM is a CUDA-only prototype, with no emulation to
-test it by), a layer whose forward is its own. A layer the schedule already runs in FP8 keeps
+test it by), a layer whose forward is its own, and a layer left whole under tensor parallelism
+whose gradients are each rank's part (tagged ``sequence_parallel``, as DeepSeek's latent-attention
+down-projections are: their output gradient reaches each rank as a partial sum, which one scale
+per rank would round unlike one process). A layer the schedule already runs in FP8 keeps
 the schedule's recipe.
 """
 
@@ -33,10 +36,15 @@ def _matrices(module: nn.Module) -> bool:
     return any(p.dim() >= 2 for p in module.parameters(recurse=False))
 
 
-def _why_kept(path: str, module: nn.Module) -> str | None:
+def _why_kept(path: str, node: Schedule) -> str | None:
     """Why the layers' matrix at ``path`` stays in its precision, or ``None`` to run it in FP8."""
+    module = node.mod
     if path.rsplit(".", 1)[-1] in ROUTERS:
         return "an MoE router"
+    partial = node.metadata.annotations.get("weight", {}).get("sequence_parallel")
+    if node.world_size > 1 and node.metadata.role is None and partial:
+        return ("whole on every tensor-parallel rank, each with its part of the gradients (MLA's down-projections): "
+                "each rank would scale its part alone")  # fmt: skip
     if not isinstance(module, nn.Linear) and any(p.dim() == 3 for p in module.parameters(recurse=False)):
         return "grouped expert weights: torchao's FP8 grouped GEMM is a CUDA-only prototype"
     return fp8_problem(module)
@@ -55,7 +63,7 @@ def apply(sch: Schedule, recipe: Fp8Recipe, layers: list[str], tokens: Group = N
                 converted += 1
                 continue
             path = f"{layer}.{relative}" if relative else layer
-            why = _why_kept(path, node.mod)
+            why = _why_kept(path, node)
             if why:
                 kept.setdefault(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", path), why)
                 continue

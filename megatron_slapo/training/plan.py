@@ -20,7 +20,7 @@ import torch.distributed as dist
 import megatron_slapo as ms
 from megatron_slapo import parallel
 from megatron_slapo.arguments.checkpoint_args import take_model_flags
-from megatron_slapo.arguments.fp8_flags import fp8_recipe
+from megatron_slapo.arguments.fp8_flags import fp8_recipe, tokens_problem
 from megatron_slapo.arguments.output_paths import check_output_dir
 from megatron_slapo.arguments.trainer_args import print_arguments
 from megatron_slapo.arguments.validation import validate_args
@@ -144,6 +144,10 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     validate_args(args, world)
     check_attention_backend(args)
     settings, hf_config = resolve_settings(args)  # decided here, once: from now on `args` is only read
+    recipe = fp8_recipe(args, planned=simulate_rank is not None)  # a GPU without FP8 units: refused here
+    problem = tokens_problem(args, settings.seq_length)  # the sequence length a model's positions gave
+    if problem:
+        raise ConfigError(problem)
     print_arguments(argparse.Namespace(**settings.arguments(args)))
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     experts = dict(
@@ -217,11 +221,9 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
         )
     if args.sequence_parallel and settings.task != "vision":  # an image model's schedule splits the batch itself
         sequence.split_layers(sch, layers)
-    recipe = fp8_recipe(args, planned=simulate_rank is not None)
     if recipe:  # after the schedule: a split layer agrees its scales over the ranks its role says
-        print_rank_0(
-            fp8.apply(sch, recipe, transformer_layers(model, config.num_hidden_layers), cp.group if cp else None)
-        )
+        blocks = shared_layers(model) or transformer_layers(model, config.num_hidden_layers)  # ALBERT's: shared
+        print_rank_0(fp8.apply(sch, recipe, blocks, cp.group if cp else None))
     if recomputing:
         depths = config.num_hidden_layers if shared_layers(model) else None  # ALBERT: one layer, several depths
         print_rank_0(recompute.apply(sch, args, layers, stages, depths))

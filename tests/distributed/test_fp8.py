@@ -1,6 +1,7 @@
 """FP8 layers split by tensor parallelism compute what one process's FP8 layers compute: each
 scale is agreed over the ranks that split the tensor it scales (emulated FP8, fp32 around it)."""
 
+import copy
 import dataclasses
 from collections import OrderedDict
 
@@ -64,20 +65,21 @@ def _pair(case, recipe, group):
             for path, (_, axis) in layers.items():
                 weight = model.get_submodule(path).weight
                 weight.narrow(axis, 0, weight.size(axis) // 2).mul_(3)
+    unscaled = copy.deepcopy(ref)  # the same weights without FP8
     plain, sch = create_schedule(ref, None), create_schedule(tp, group)
     for path, (place, axis) in layers.items():
         place(sch[path], axis)
         sch[path].fp8(fp8)
         plain[path].fp8(fp8)
     assert {sch[path].metadata.role for path in layers} == {Role.COLUMN, Role.ROW}
-    return ref, tp, hidden
+    return ref, tp, hidden, unscaled
 
 
 @pytest.mark.world_sizes(2, 4)
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise-exact"])
 @pytest.mark.parametrize("case", [gpt2, llama])
 def test_split_fp8_layers_cast_what_one_process_casts(group, rank, world, case, recipe):
-    ref, tp, hidden = _pair(case, recipe, group)
+    ref, tp, hidden, unscaled = _pair(case, recipe, group)
     y_ref, dx_ref = _run(ref, hidden)
     y, dx = _run(tp, hidden)
     assert relative_diff(y, y_ref) < TOL
@@ -85,7 +87,7 @@ def test_split_fp8_layers_cast_what_one_process_casts(group, rank, world, case, 
     for name, p in tp.named_parameters():
         full = dict(ref.named_parameters())[name].grad
         assert relative_diff(p.grad, local_part(full, p, rank, world)) < TOL, name
-    fp32, _ = _run(built_pair(case()[0])[0], hidden)
+    fp32, _ = _run(unscaled, hidden)
     assert relative_diff(y_ref, fp32) > 1e-3  # it is FP8: 3 bits of mantissa move the output
 
 
@@ -93,7 +95,7 @@ def test_split_fp8_layers_cast_what_one_process_casts(group, rank, world, case, 
 def test_scales_of_each_shard_alone_would_not_compute_what_one_process_does(group, monkeypatch, recipe):
     """The agreement matters: with each rank's amax its own, a TP2 layer rounds otherwise."""
     monkeypatch.setattr("megatron_slapo.kernels.fp8.all_reduce_max", lambda amax, group: amax)
-    ref, tp, hidden = _pair(llama, recipe, group)
+    ref, tp, hidden, _ = _pair(llama, recipe, group)
     (y_ref, dx_ref), (y, dx) = _run(ref, hidden), _run(tp, hidden)
     assert max(relative_diff(y, y_ref), relative_diff(dx, dx_ref)) > 1e-3
 
