@@ -98,13 +98,17 @@ def test_the_primitive_refuses_a_layer_it_cannot_run_naming_it():
     assert "fp8 tensorwise hybrid (emulated)" in sch.explain()
 
 
+def _llama_schedule(layers: int, ffn: int) -> ms.Schedule:
+    """A tiny Llama's schedule, on meta (hidden 64, 4 heads in 2 key/value groups)."""
+    config = transformers.LlamaConfig(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4,
+                                      num_key_value_heads=2, intermediate_size=ffn, vocab_size=128)  # fmt: skip
+    with torch.device("meta"):
+        return ms.create_schedule(transformers.LlamaForCausalLM(config))
+
+
 def test_the_default_set_keeps_what_fp8_cannot_take_and_says_so():
     """Llama with an FFN of 72 (not a multiple of 16): q, k, v and o in FP8, gate, up and down kept."""
-    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                      intermediate_size=72, vocab_size=128)  # fmt: skip
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    sch = ms.create_schedule(model)
+    sch = _llama_schedule(2, 72)
     note = fp8.apply(sch, Fp8Recipe(emulate=True), ["model.layers.0", "model.layers.1"])
     assert note.startswith("> FP8 (tensorwise scaling, hybrid format; emulated: no FP8 matrix units here, so the FP8 "
                            "values are multiplied in fp32): 8 Linear layers of 2 transformer layers; kept in their "
@@ -137,11 +141,7 @@ def test_checkpoints_stay_in_the_master_precision_and_resume_with_or_without_fp8
 
 
 def test_a_layer_the_schedule_runs_in_fp8_keeps_its_recipe():
-    config = transformers.LlamaConfig(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                      intermediate_size=128, vocab_size=128)  # fmt: skip
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    sch = ms.create_schedule(model)
+    sch = _llama_schedule(1, 128)
     sch["model.layers.0.mlp.down_proj"].fp8(Fp8Recipe("rowwise", "e4m3", emulate=True))
     note = fp8.apply(sch, Fp8Recipe(emulate=True), ["model.layers.0"])
     assert ": 7 Linear layers of 1 transformer layers" in note
