@@ -2,9 +2,9 @@
 ``--schedule auto`` (qwen3, qwen3_moe), against the same FP8 run in one process (emulated FP8,
 bf16 around it), at TP2, TP2 with sequence parallelism, PP2, ZeRO-3 and FSDP2 over two
 data-parallel ranks; and qwen3_moe's experts over two ranks, llama's and qwen3's sequence over two
-ranks, GPT compiled at TP2, GPT and llama recomputing every layer at TP2, with megatron-core's
-distributed optimizer over two ranks, and with FSDP2 gathering the FP8 layers' weights in float8
-(``--fp8-param-gather``).
+ranks, GPT compiled at TP2 and on torch DDP's autocast at TP2, GPT and llama recomputing every
+layer at TP2, with megatron-core's distributed optimizer over two ranks, and with FSDP2 gathering
+the FP8 layers' weights in float8 (``--fp8-param-gather``).
 
 The tolerance is bf16's relative precision, 2^-8 (the bound a bf16 run keeps to the fp32 one,
 ``test_mixed_precision.py``), and the ``bf16`` cases are held to it too. A layout reorders bf16
@@ -60,6 +60,7 @@ LAYOUTS = {  # name -> (flags, the models trained at it: None for all[, the prec
     "tp2-compile": ([*TP2, "--compile"], ("gpt",)),  # the agreement's collectives traced with the layer
     "tp2-recompute-full": ([*TP2, "--recompute-granularity", "full"], ("gpt", "llama")),  # FP8 recomputed alike
     "dp2-distopt": (["--engine", "megatron", "--use-distributed-optimizer"], ("gpt", "llama")),
+    "tp2-ddp": (["--engine", "ddp", *TP2], ("gpt",)),  # autocast over fp32 weights: the operands cast first
     # the FP8 layers' weight shards all-gathered in float8 (torchao's; tensorwise scales only)
     "fsdp-dp2-fp8-gather": (["--engine", "fsdp", "--fp8-param-gather"], ("gpt", "llama"), ("fp8-tensorwise",)),
 }
