@@ -132,6 +132,9 @@ def test_the_exit_signal_is_megatrons_flag_and_a_second_ctrl_c_stops_at_once():
     assert parse_args("gpt", [*base, "--exit-signal", "SIGINT"]).exit_signal == "SIGINT"
     with pytest.raises(ConfigError, match="--exit-signal: invalid choice: 'SIGKILL'"):  # cannot be handled
         parse_args("gpt", [*base, "--exit-signal", "SIGKILL"])
+    # Python's own handler before it, whatever this process was started with (a job started in the
+    # background by a non-interactive shell ignores SIGINT, and Python keeps it ignored)
+    started_with = signal.signal(signal.SIGINT, signal.default_int_handler)
     before = signal.getsignal(signal.SIGINT)
     with ExitConditions(None, True, time.time(), signal.SIGINT) as exits:
         # raise_signal: delivered to this (the main) thread and handled before it returns; a kill() of
@@ -140,7 +143,9 @@ def test_the_exit_signal_is_megatrons_flag_and_a_second_ctrl_c_stops_at_once():
         assert exits.received  # recorded: the step in flight goes on
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is before
+    restored = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, started_with)
+    assert restored is before
 
 
 @pytest.mark.slow  # three torchrun launches (~2 min)
