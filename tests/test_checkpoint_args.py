@@ -13,6 +13,7 @@ from megatron_slapo.arguments.checkpoint_args import take_model_flags
 from megatron_slapo.arguments.parser import parse_args
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.training.loop import pretrain
+from tests.test_bad_input import one_error_line
 from tools import explain
 
 MOCK = ["--mock-data", "--micro-batch-size", "2", "--train-iters", "3", "--lr", "1e-3", "--eval-iters", "0",
@@ -31,15 +32,6 @@ def llama(tmp_path_factory) -> Path:
     return ck
 
 
-def refused(task: str, argv: list[str], capsys: pytest.CaptureFixture) -> str:
-    """``pretrain``'s one error line (exit status 2), its message."""
-    with pytest.raises(SystemExit) as exit_:
-        pretrain(task, argv)
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert exit_.value.code == 2 and len(lines) == 1, lines
-    return lines[0].removeprefix(f"pretrain_{task}.py: error: ")
-
-
 def test_load_alone_resumes_the_model_of_the_checkpoint(llama, tmp_path, capsys):
     """No size flag, no tokenizer flag: the family, its sizes, the sequence length and the tokenizer
     of the run that saved it."""
@@ -56,8 +48,8 @@ def test_a_size_flag_given_shapes_the_model_unless_checkpoint_args_are_asked_for
     """As Megatron: a size flag given, the others are required; with --use-checkpoint-args they come
     from the checkpoint, and the one given must agree with it (the same tensors, other heads)."""
     argv = [*MOCK, "--load", str(llama), "--num-attention-heads", "8"]
-    assert "--num-layers, --hidden-size and --seq-length are required" in refused("gpt", argv, capsys)
-    assert refused("gpt", [*argv, "--use-checkpoint-args"], capsys) == (
+    assert "--num-layers, --hidden-size and --seq-length are required" in one_error_line("gpt", argv, capsys)
+    assert one_error_line("gpt", [*argv, "--use-checkpoint-args"], capsys) == (
         f"{llama}/iter_0000002 holds a model of 4 attention heads, this run builds 8: give --num-attention-heads 4, "
         "or another --load"
     )
@@ -66,7 +58,7 @@ def test_a_size_flag_given_shapes_the_model_unless_checkpoint_args_are_asked_for
 def test_another_family_of_the_same_tensors_is_refused(llama, capsys):
     """Mistral's tensors are Llama's, name for name and shape for shape: only the record tells them apart."""
     argv = [*MOCK, "--load", str(llama), "--use-checkpoint-args", "--model-type", "mistral", "--finetune"]
-    assert refused("gpt", argv, capsys) == (f"{llama}/iter_0000002 holds a llama model, this run builds mistral: "
+    assert one_error_line("gpt", argv, capsys) == (f"{llama}/iter_0000002 holds a llama model, this run builds mistral: "
                                             "give --model-type llama, or another --load")  # fmt: skip
 
 
