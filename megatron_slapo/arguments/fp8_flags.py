@@ -70,9 +70,6 @@ def check_fp8(args: argparse.Namespace, problems: Problems) -> None:
         problems.add(
             "--fp8-param-gather needs --fp8-recipe tensorwise (torchao's float8 all-gather scales whole tensors)"
         )
-    tokens = tokens_problem(args, getattr(args, "seq_length", None))  # None until the model decides it
-    if tokens:
-        problems.add(tokens)
     missing = _torchao_problem()
     if missing:
         problems.add(f"--fp8-format: {missing}")

@@ -19,6 +19,7 @@ taken over (:class:`Splits`), and a TP2 layer casts exactly what one process cas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass
@@ -156,12 +157,11 @@ def fp8_product(x: torch.Tensor, weight: torch.Tensor, transposed: bool, recipe:
     Conv1D's ``(in, out)``) in FP8, over ``x``'s last dimension, without a bias. Under autocast the
     operands are cast to its dtype first, as ``F.linear`` would be."""
     device = x.device.type
-    if device == "meta":  # a planned run (explain): no autocast there
-        return _Fp8Product.apply(x.reshape(-1, x.size(-1)), weight, transposed, recipe, splits).view(*x.shape[:-1], -1)
-    if torch.is_autocast_enabled(device):
+    autocast = device != "meta" and torch.is_autocast_enabled(device)  # meta: a run explain plans
+    if autocast:
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight if is_float8(weight) else weight.to(dtype)
-    with torch.autocast(device, enabled=False):
+    with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
         out = _Fp8Product.apply(x.reshape(-1, x.size(-1)), weight, transposed, recipe, splits)
     return out.view(*x.shape[:-1], out.size(-1))
 
