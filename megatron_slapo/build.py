@@ -61,7 +61,9 @@ def build(
     ``init_weights``: ``True`` uses the HF model's ``_init_weights`` (or ``reset_parameters`` for
     plain modules), a callable ``fn(module)`` replaces it, ``False`` leaves new tensors unset (NaN)
     for a checkpoint to fill. ``seed`` defaults to ``torch.initial_seed()`` of global rank 0.
-    ``device`` defaults to the current CUDA device, else the CPU. When the schedule has
+    ``device`` defaults to the current CUDA device, else the CPU; on ``"meta"`` (a plan, as
+    ``tools/explain.py`` builds) nothing is allocated or initialised: each tensor becomes a meta one
+    of its shard's shape, with the annotations a materialised one gets. When the schedule has
     ``cut_pipeline_stage`` marks, the result is a :class:`~megatron_slapo.pipeline.PipelineStages`
     (the stage modules, the tensors crossing each cut, the weights tied across stages). Then
     ``stages`` limits materialisation to what those stages use (a pipeline rank's own stages; the

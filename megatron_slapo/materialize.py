@@ -89,10 +89,12 @@ def _derived(nodes: list[InitNode], work: set[int]) -> list[tuple[torch.Tensor, 
     return derived
 
 
-def _blank(shape: torch.Size, template: torch.Tensor) -> torch.Tensor:
-    """A fresh CPU tensor for ``template``'s values; floats start as NaN so partial writes show."""
-    t = torch.empty(shape, dtype=template.dtype, device="cpu")
-    if t.is_floating_point():
+def _blank(shape: torch.Size, template: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A fresh tensor for ``template``'s values: a CPU one whose floats start as NaN so partial writes
+    show, or, for a model built on the meta device (a plan: ``tools/explain.py``), a meta one, which
+    has no values to write and allocates nothing."""
+    t = torch.empty(shape, dtype=template.dtype, device="meta" if device.type == "meta" else "cpu")
+    if t.is_floating_point() and not t.is_meta:
         t.fill_(float("nan"))
     return nn.Parameter(t, requires_grad=template.requires_grad) if isinstance(template, nn.Parameter) else t
 
@@ -118,6 +120,7 @@ class Materializer:
         device: torch.device,
     ) -> None:
         self.root, self.tree, self.init_weights, self.shards, self.device = root, tree, init_weights, shards, device
+        self.initialising = init_weights is not False and device.type != "meta"  # a meta model has no values
         self.done: dict[int, torch.Tensor] = {}  # id(meta tensor) -> its materialised shard
         self.blank_storage: dict[int, int] = {}  # id(work tensor) -> its storage when created
         self.tracker = WriteTracker()
@@ -190,11 +193,11 @@ class Materializer:
             t = slot.tensor
             if id(t) not in work:
                 spec = self.shards.get(id(t))
-                work[id(t)] = _blank(spec.full_shape if spec else t.shape, t)
+                work[id(t)] = _blank(spec.full_shape if spec else t.shape, t, self.device)
                 self.blank_storage[id(work[id(t)])] = _storage(work[id(t)])
             slot.table[slot.key] = work[id(t)]
         self.tracker.written.clear()
-        if self.init_weights is not False:
+        if self.initialising:
             derived = _derived(nodes, {id(w) for w in work.values()})
             with torch.random.fork_rng(devices=[]), torch.no_grad(), self.tracker:
                 torch.manual_seed(seed)
@@ -241,7 +244,7 @@ class Materializer:
             return self.done[id(original)]
         where = f"{type(slot.module).__name__}.{slot.key}"
         spec = self.shards.get(id(original))
-        if self.init_weights is not False and self._unwritten(full):
+        if self.initialising and self._unwritten(full):
             raise SchedulingError(
                 f"{where} was not initialised by the model's init function; "
                 "pass build(..., init_weights=fn) with an initialiser for it"

@@ -67,9 +67,11 @@ sys.path.insert(0, str(ROOT))  # run as a script from anywhere
 
 from megatron_slapo.arguments.parser import parse_args  # noqa: E402
 from megatron_slapo.errors import ConfigError  # noqa: E402
+from megatron_slapo.estimates import hardware  # noqa: E402
 from megatron_slapo.kernels.fp8 import RECIPES  # noqa: E402
 from megatron_slapo.training import error_report  # noqa: E402
 from megatron_slapo.training.settings import resolve_settings  # noqa: E402
+from megatron_slapo.tuning import prediction  # noqa: E402
 from megatron_slapo.tuning.search import Cost, ring_traffic, search  # noqa: E402
 from megatron_slapo.tuning.space import Point, Space  # noqa: E402
 
@@ -95,6 +97,29 @@ def _switches(text: str) -> list[bool]:
     if not set(text.split(",")) <= {"on", "off"}:
         raise argparse.ArgumentTypeError(f"{text!r}: give off, on or off,on")
     return [v == "on" for v in text.split(",")]
+
+
+def hardware_of(ours: argparse.Namespace) -> tuple[hardware.Hardware | None, int]:
+    """``--hardware``'s profile and devices per node (None: tune on this machine); with a GPU
+    profile the tensor-parallel candidates default to sizes within a node (NVLink's), as
+    Megatron-LM advises. Checks the flags that need it have it."""
+    needs = [flag for flag, given in (("--predict-only", ours.predict_only), ("--trials", ours.trials is not None),
+                                      ("--gpus-per-node", ours.gpus_per_node), ("--nodes", ours.nodes != 1)) if given]  # fmt: skip
+    if not ours.hardware:
+        if needs:
+            raise ConfigError(f"{', '.join(needs)}: give --hardware too (what to predict on)")
+        return None, ours.nproc_per_node
+    hw = hardware.load(ours.hardware)
+    per_node = ours.gpus_per_node or (8 if hw.compute_units is None else ours.nproc_per_node)
+    if ours.nodes < 1 or per_node < 1 or (ours.trials is not None and ours.trials < 1):
+        raise ConfigError("--nodes, --gpus-per-node and --trials must be at least 1")
+    if ours.trials is not None and (ours.predict_only or ours.nodes * per_node != ours.nproc_per_node):
+        raise ConfigError(f"--trials runs here on --nproc-per-node {ours.nproc_per_node} ranks: not with --predict-only, "
+                          "and --nodes x --gpus-per-node must be those ranks")  # fmt: skip
+    if ours.trials is None and not ours.predict_only:
+        raise ConfigError("--hardware: give --predict-only (rank by prediction) or --trials K (run the K best here)")
+    ours.tp = ours.tp or [t for t in range(1, per_node + 1) if per_node % t == 0]
+    return hw, per_node
 
 
 def check_candidates(ours: argparse.Namespace) -> None:
@@ -211,6 +236,64 @@ def _planner(task: str, base: list[str], world: int):
     return plan
 
 
+def _predictor(task: str, base: list[str], world: int, per_node: int, hw: hardware.Hardware):
+    def plan(flags: list[str]) -> tuple[int, int, prediction.Prediction]:
+        from megatron_slapo.estimates.time_model import predict
+        from tools.explain import explain
+
+        argv = [*base, *flags]
+        estimates = explain(task, argv, world, attention=hw.attention_kernel)
+        worst = max(estimates, key=lambda e: e.peak)
+        return worst.peak, worst.rank, predict(estimates, parse_args(task, argv), hw, world, per_node)
+
+    return plan
+
+
+def multi_node_command(task: str, nodes: int, per_node: int, base: list[str], flags: list[str]) -> str:
+    """The training command of a configuration for each of ``nodes`` nodes of ``per_node`` devices."""
+    rendezvous = ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:29500"]
+    launch = [*launcher(), *(rendezvous if nodes > 1 else ["--standalone"]), f"--nproc_per_node={per_node}"]
+    return shlex.join([*launch, f"pretrain_{task}.py", *base, *flags]).replace(
+        "'$MASTER_ADDR:29500'", "$MASTER_ADDR:29500"
+    )
+
+
+def predicted_search(ours: argparse.Namespace, base: list[str], trial: list[str], space: Space, hw: hardware.Hardware,
+                     per_node: int, budget: int) -> None:  # fmt: skip
+    """``--predict-only``: the best five layouts by predicted step time, as commands; ``--trials K``:
+    the K best run here, each reported predicted against measured."""
+    world = ours.nodes * per_node
+    ranked = prediction.rank_points(space, flags_of, _predictor(ours.task, trial, world, per_node, hw), budget)
+    fit = [p for p in ranked if p.prediction]
+    over = sum(p.why.startswith("over memory") for p in ranked)
+    print(f"> predicted {len(ranked)} configurations on {hw.name} ({ours.nodes} node(s) x {per_node}): {len(fit)} fit "
+          f"in {budget / 2**30:.1f} GiB, {over} do not, {len(ranked) - len(fit) - over} refused")  # fmt: skip
+    if not fit:
+        closest = min((p for p in ranked if p.why.startswith("over memory")), key=lambda p: p.why, default=None)
+        raise ConfigError(
+            "no configuration fits in memory" + (f" (e.g. {prediction.describe(closest)})" if closest else "")
+        )
+    if ours.trials is None:
+        for i, p in enumerate(fit[:5], 1):
+            print(f"> {i}. {prediction.describe(p)}")
+            print(multi_node_command(ours.task, ours.nodes, per_node, base, p.flags))
+        return
+    run = _runner(ours.task, trial, world, ours.warmup, ours.steps, ours.trial_timeout)
+    measured = []
+    for p in fit[: ours.trials]:
+        result = run(p.flags)
+        seconds = result.get("step_seconds")
+        shown = f"{seconds:.4g} s measured" if seconds else f"failed: {result.get('error')}"
+        print(f"> {prediction.describe(p)}; {shown}" + (f" ({p.seconds / seconds:.2f} of it)" if seconds else ""))
+        if seconds:
+            measured.append((seconds, p))
+    if not measured:
+        raise ConfigError("no trial ran: see the errors above")
+    seconds, best = min(measured, key=lambda m: m[0])
+    print(f"> best measured: {' '.join(f'{k}={v}' for k, v in best.point.items())}: {seconds * 1e3:.1f} ms per step")
+    print(command(ours.task, world, base, best.flags))
+
+
 def plan_version() -> str:
     """What a point's plan depends on besides the flags: the code explain runs (this repository's
     package and schedules) and the libraries' versions. A resumed tuner re-explains when it changed."""
@@ -305,6 +388,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--trial-timeout", type=int, default=600)
     p.add_argument("--exhaustive", action="store_true", help="run every configuration (Slapo's tuner), to compare")
+    p.add_argument("--hardware", help="predict on this profile (explain.py --hardware's) instead of timing here")
+    p.add_argument("--nodes", type=int, default=1, help="with --hardware: the cluster's nodes")
+    p.add_argument("--gpus-per-node", type=int, help="with --hardware: devices per node (default 8 on a GPU profile)")
+    p.add_argument("--predict-only", action="store_true", help="with --hardware: rank by prediction, run nothing")
+    p.add_argument("--trials", type=int, help="with --hardware: run the K best-predicted configurations here")
     p.add_argument("--confirm-rounds", type=int, default=2,
                    help="rounds in which the trials within 10%% of the fastest run again; the best median wins")  # fmt: skip
     return p
@@ -316,6 +404,9 @@ def main(argv: list[str] | None = None) -> None:
         base.remove("--")
     world = ours.nproc_per_node
     with error_report.user_errors("autotune.py"):
+        hw, per_node = hardware_of(ours)
+        if hw is not None:
+            world = ours.nodes * per_node
         given = [f for f in base if f.split("=")[0] in CHOSEN]
         if given:
             raise ConfigError(f"{', '.join(given)}: the tuner chooses these; give the candidates instead (--help)")
@@ -329,6 +420,9 @@ def main(argv: list[str] | None = None) -> None:
         if not len(space):
             raise ConfigError("the space is empty: no candidate combination divides the ranks, heads, layers and batch")
         budget = int(ours.memory_budget_gib * 2**30) if ours.memory_budget_gib else default_budget(world)
+        if hw is not None:
+            budget = int(ours.memory_budget_gib * 2**30) if ours.memory_budget_gib else int(0.9 * hw.memory_gib * 2**30)
+            return predicted_search(ours, base, trial, space, hw, per_node, budget)
         print(f"> searching {len(space)} configurations on {world} ranks; memory budget {budget / 2**30:.2f} GiB "
               f"per rank; results in {ours.results}", flush=True)  # fmt: skip
         outcome = search(space, flags_of, _planner(ours.task, trial, world),

@@ -23,6 +23,14 @@ are not given, and one they contradict is refused as the trainer refuses it.
   :data:`MAX_WORLD_SIZE`.
 - ``--json PATH``: the estimates as JSON too (what ``tools/autotune.py`` reads); checked writable
   before planning.
+- ``--hardware NAME|PATH.json``: also predict the step's time on that hardware
+  (:mod:`megatron_slapo.estimates.time_model`): a built-in profile (``a100-sxm-80g``, ``h100-sxm``,
+  ``h200-sxm``, ``b200``) or one ``tools/calibrate.py`` wrote. The activations are then those of the
+  attention kernel it runs (flash: no score matrices). Prints the step time, tokens/s and TFLOP/s
+  per device, MFU, where the time goes, and ``predicted`` in ``--json``; a layout whose peak exceeds
+  the device's memory is refused in one line naming the rank and the bytes.
+- ``--gpus-per-node N`` (default 8; a calibrated CPU profile: the whole run on this machine) and
+  ``--nodes N`` (the world size is then nodes x gpus-per-node): which groups cross nodes.
 """
 
 from __future__ import annotations
@@ -43,7 +51,10 @@ from megatron_slapo.arguments.parser import OneLineParser, parse_args  # noqa: E
 from megatron_slapo.arguments.validation import validate_args  # noqa: E402
 from megatron_slapo.checkpoints import checkpointing  # noqa: E402
 from megatron_slapo.errors import ConfigError  # noqa: E402
+from megatron_slapo.estimates import hardware  # noqa: E402
 from megatron_slapo.estimates.estimate import RankEstimate, estimate  # noqa: E402
+from megatron_slapo.estimates.hardware import Hardware  # noqa: E402
+from megatron_slapo.estimates.time_model import Prediction, predict  # noqa: E402
 from megatron_slapo.training import error_report  # noqa: E402
 from megatron_slapo.training.plan import take_checkpoint_args  # noqa: E402
 
@@ -51,6 +62,7 @@ from megatron_slapo.training.plan import take_checkpoint_args  # noqa: E402
 # about a second more per thousand ranks, so from LARGE_WORLD_SIZE on explain says it is at work, and
 # beyond MAX_WORLD_SIZE (minutes) it refuses.
 LARGE_WORLD_SIZE, MAX_WORLD_SIZE = 4096, 65536
+DEFAULT_GPUS_PER_NODE = 8  # a DGX/HGX node
 
 
 def _mib(n: float) -> str:
@@ -67,9 +79,10 @@ def stage_ranks(argv: list[str], task: str, world: int) -> list[int]:
     return [p * (world // pp) for p in range(pp)]
 
 
-def explain(task: str, argv: list[str], world: int) -> list[RankEstimate]:
-    """The estimates of each pipeline stage's first rank (its tensor- and data-parallel peers hold alike)."""
-    return [estimate(task, argv, world, rank) for rank in stage_ranks(argv, task, world)]
+def explain(task: str, argv: list[str], world: int, attention: str | None = None) -> list[RankEstimate]:
+    """The estimates of each pipeline stage's first rank (its tensor- and data-parallel peers hold alike);
+    ``attention``: as :func:`~megatron_slapo.estimates.estimate.estimate` takes it."""
+    return [estimate(task, argv, world, rank, attention=attention) for rank in stage_ranks(argv, task, world)]
 
 
 def _experts(e: RankEstimate) -> list[str]:
@@ -127,11 +140,41 @@ FP8_MEMORY = ("FP8: the layers marked fp8 multiply in FP8, cast from their bf16 
               "not counted)")  # fmt: skip
 
 
+def machine_size(gpus_per_node: int | None, nodes: int | None, world: int | None, hw: Hardware | None) -> int | None:
+    """Ranks to a node: ``--gpus-per-node``, else 8 on a GPU profile; on a calibrated CPU one, None
+    (the whole run on one machine). Checks the flags agree."""
+    if (gpus_per_node or nodes) and hw is None:
+        raise ConfigError("--gpus-per-node and --nodes place a run on hardware: give --hardware too")
+    if gpus_per_node is not None and gpus_per_node < 1 or nodes is not None and nodes < 1:
+        raise ConfigError("--gpus-per-node and --nodes must be at least 1")
+    per_node = gpus_per_node or (DEFAULT_GPUS_PER_NODE if hw and hw.compute_units is None else None)
+    if nodes is not None and per_node is None:
+        raise ConfigError("--nodes needs --gpus-per-node with a CPU profile")
+    if nodes is not None and world is not None and nodes * per_node != world:
+        raise ConfigError(f"--world-size {world} is not --nodes {nodes} x --gpus-per-node {per_node}")
+    return per_node
+
+
+def prediction_report(p: Prediction, world: int, per_node: int) -> str:
+    """The predicted step: its time, throughput and breakdown, and the verdict."""
+    where = f"{max(1, world // per_node)} node(s) x {min(world, per_node)}"
+    parts = "  ".join(f"{k} {v:.4g} s" for k, v in sorted(p.breakdown_s.items(), key=lambda kv: -kv[1]))
+    return "\n".join([
+        f"Predicted on {p.hardware} ({where}), slowest rank {p.slowest_rank}: step {p.step_time_s:.4g} s, "
+        f"{p.tokens_per_s_per_device:,.0f} tokens/s per device, {p.tflops_per_device:,.1f} TFLOP/s per device, "
+        f"MFU {p.mfu:.1%}",
+        f"  {parts}",
+        f"  where the time goes: {p.verdict}"])  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = OneLineParser(prog="explain.py", add_help=False)
     parser.add_argument("--task", choices=("gpt", "bert", "t5", "vision"), default="gpt")
     parser.add_argument("--world-size", type=int)
     parser.add_argument("--json")
+    parser.add_argument("--hardware")
+    parser.add_argument("--gpus-per-node", type=int)
+    parser.add_argument("--nodes", type=int)
     parser.add_argument("-h", "--help", action="store_true")
     with error_report.user_errors("explain.py"):
         ours, rest = parser.parse_known_args(argv)
@@ -142,6 +185,10 @@ def main(argv: list[str] | None = None) -> None:
         if ours.json:
             check_output_file("--json", ours.json)
         args = parse_args(ours.task, rest, prog="explain.py")
+        hw = hardware.load(ours.hardware) if ours.hardware else None
+        per_node = machine_size(ours.gpus_per_node, ours.nodes, ours.world_size, hw)
+        if ours.nodes is not None:
+            ours.world_size = ours.nodes * per_node
         if ours.world_size is not None:
             world = ours.world_size
         elif "WORLD_SIZE" in os.environ:
@@ -155,18 +202,26 @@ def main(argv: list[str] | None = None) -> None:
         if world >= LARGE_WORLD_SIZE:
             print(f"> laying out the process groups of {world} ranks (megatron-core makes every rank's): this takes "
                   "a while", flush=True)  # fmt: skip
-        estimates = [estimate(ours.task, rest, world, rank) for rank in ranks]
+        kernel = hw.attention_kernel if hw else None
+        estimates = [estimate(ours.task, rest, world, rank, attention=kernel) for rank in ranks]
         loading = checkpointing.describe_load(args.load, args, world) if args.load else None
+        predicted = predict(estimates, args, hw, world, per_node or world) if hw else None
     print(report(estimates, world))
     if args.fp8_format:
         print(FP8_MEMORY)
     if loading:
         print(f"Checkpoint to load: {loading}")
+    if predicted:
+        print(prediction_report(predicted, world, per_node or world))
     if ours.json:
-        rows = [{k: v for k, v in dataclasses.asdict(e).items() if k != "schedule"} | {"peak": e.peak}
-                for e in estimates]  # fmt: skip
+        rows = [{k: v for k, v in dataclasses.asdict(e).items() if k not in ("schedule", "work")}
+                | {"peak": e.peak, "work": {p: w.to_json() for p, w in e.work.items()}} for e in estimates]  # fmt: skip
         os.makedirs(os.path.dirname(ours.json) or ".", exist_ok=True)
-        Path(ours.json).write_text(json.dumps({"world_size": world, "ranks": rows}, indent=1))
+        extra = {"predicted": predicted.to_json()} if predicted else {}
+        Path(ours.json).write_text(json.dumps({"world_size": world, "ranks": rows, **extra}, indent=1))
+    if predicted and not predicted.fits:
+        with error_report.user_errors("explain.py"):
+            raise ConfigError(f"the layout does not fit in memory: {predicted.memory_problem}")
 
 
 if __name__ == "__main__":

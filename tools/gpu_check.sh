@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run: the CUDA tests (tests/test_cuda.py: kernels and
 # one-device recipes against HF), the trainer on one GPU (megatron-core's CUDA paths, not the CPU
-# shim), the GPU benchmark grid (tools/bench.py --grid gpu) and FP8 against bf16, eager and
-# compiled (tools/bench_fp8.py --grid gpu).
+# shim), the GPU benchmark grid (tools/bench.py --grid gpu), the GPU's hardware profile for the
+# time model (tools/calibrate.py) and FP8 against bf16, eager and compiled (tools/bench_fp8.py --grid gpu).
 #
 #   bash tools/gpu_check.sh [OUTDIR]     # default: docs/benchmarks/gpu-<date>
 #
@@ -11,7 +11,8 @@
 # tested with) are installed first into a private folder, for machines that cannot reach a package
 # index. Each step has its own time limit, so that one slow step leaves the others'
 # results; everything goes to OUTDIR: env.txt, test_cuda.log, train-gpu.log, bench-gpu.{log,json,png},
-# bench-fp8.{log,json} (and bench-fp8-trainer.log, the trainer's own output in those rows).
+# calibration.json (and calibrate.log), bench-fp8.{log,json} (and bench-fp8-trainer.log, the trainer's
+# own output in those rows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || echo python3)}
@@ -44,6 +45,9 @@ done
 echo "== $PYTHON tools/bench.py --grid gpu" | tee "$out/bench-gpu.log"
 timeout "${BENCH_TIMEOUT:-420}" "$PYTHON" tools/bench.py --grid gpu --json "$out/bench-gpu.json" \
     --plot "$out/bench-gpu.png" 2>&1 | tee -a "$out/bench-gpu.log"
+
+echo "== $PYTHON tools/calibrate.py --out $out/calibration.json" | tee "$out/calibrate.log"
+timeout "${CALIBRATE_TIMEOUT:-180}" "$PYTHON" tools/calibrate.py --out "$out/calibration.json" 2>&1 | tee -a "$out/calibrate.log"
 
 echo "== $PYTHON tools/bench_fp8.py --grid gpu" | tee "$out/bench-fp8.log"
 timeout "${FP8_TIMEOUT:-300}" "$PYTHON" tools/bench_fp8.py --grid gpu --json "$out/bench-fp8.json" \

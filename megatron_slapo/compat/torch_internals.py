@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch._C._profiler import _EventType
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SDPA_FUNCTIONS", "TorchDispatchMode", "allocation_events", "foreach_mul_", "op_schema",
+__all__ = ["ATTENTION_OPS", "FREE_OPS", "GEMM_OPS", "SDPA_FUNCTIONS", "TorchDispatchMode", "allocation_events", "flash_attention", "flop_formulas", "foreach_mul_", "in_autograd_engine", "op_schema",
            "storage_key", "tensor_version", "view_base"]  # fmt: skip
 
 # TorchDispatchMode (torch.utils._python_dispatch) is torch's documented way to see every operator
@@ -21,6 +21,14 @@ __all__ = ["SDPA_FUNCTIONS", "TorchDispatchMode", "allocation_events", "foreach_
 # What fx records as the target of a traced ``F.scaled_dot_product_attention`` call: the function
 # itself, or the C binding behind it (``torch._C._nn``) that HF's code may reach. torch 2.13.
 SDPA_FUNCTIONS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_product_attention)
+
+
+# ATen operators by the work they do, for the time model's ledger (estimates/op_ledger.py); several
+# are private ATen names (the fused attention kernels, FP8's scaled GEMM). torch 2.13.
+GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "convolution_backward"}
+ATTENTION_OPS = ("_scaled_dot_product_", "_flash_attention", "_efficient_attention", "_cudnn_attention")  # prefixes
+FREE_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
+            "_local_scalar_dense", "set_", "resize_"}  # allocations and bookkeeping: no kernel's work  # fmt: skip
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -45,6 +53,31 @@ def op_schema(func: torch._ops.OpOverload) -> torch._C.FunctionSchema:
     """``func._schema``: an ATen operator's schema (its arguments and which of them it writes);
     ``OpOverload`` exposes no public accessor. torch 2.13."""
     return func._schema
+
+
+def flop_formulas() -> dict[Any, Any]:
+    """torch's FLOP formulas by ATen operator packet, each called ``formula(*args, **kwargs,
+    out_val=out)`` as ``FlopCounterMode`` calls them: ``torch.utils.flop_counter.flop_registry``,
+    which the module does not list as public. torch 2.13."""
+    from torch.utils.flop_counter import flop_registry
+
+    return flop_registry
+
+
+def in_autograd_engine() -> bool:
+    """Whether this thread is running autograd's engine (a backward's nodes, or a checkpoint's
+    recomputation inside one) rather than the Python that starts it: ``_current_graph_task_id()``
+    is -1 outside. torch 2.13."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def flash_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dropout: float, is_causal: bool,
+                    scale: float) -> torch.Tensor:  # fmt: skip
+    """The output of ``aten._scaled_dot_product_flash_attention``: the flash kernel SDPA dispatches
+    to on a GPU, here called directly, since SDPA itself takes its math path on meta (the op has
+    a meta kernel, an autograd formula saving q, k, v, the output and the log-sum-exp, FLOP formulas,
+    and takes fewer key/value heads than query heads). torch 2.13."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout, is_causal, scale=scale)[0]
 
 
 def foreach_mul_(tensors: list[torch.Tensor], scalar: float | torch.Tensor) -> None:

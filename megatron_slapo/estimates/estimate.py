@@ -6,7 +6,9 @@ group, then the model built on the meta device, and one micro-batch through it, 
 backward, as the engine would run it. That pass is measured, not modelled:
 
 - activations: the bytes autograd saves for backward (saved-tensor hooks; each storage once,
-  weights excluded), so recompute shows as what it really keeps;
+  weights excluded), so recompute shows as what it really keeps; the attention's as SDPA keeps
+  them on meta (its math path's score matrices), or as a GPU's flash kernel does
+  (``attention="flash"``: :mod:`~megatron_slapo.estimates.kernel_attention`);
 - collectives: :class:`~megatron_slapo.parallel.comm_log.CommLog`, the counter behind
   ``--log-comm``, over the model's own collectives (the fake group's calls move nothing); the
   context-parallel ring's, which makes none on meta, from each of its runs
@@ -56,11 +58,14 @@ from megatron_slapo.estimates.expert_estimate import (
     expert_share,
     is_expert,
 )
+from megatron_slapo.estimates.kernel_attention import attention_kernel
+from megatron_slapo.estimates.op_ledger import OpLedger, Work
 from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.parallel.comm_log import CommLog, group_names
+from megatron_slapo.parallel.state import Layout
 from megatron_slapo.pipeline import PipelineStages
 from megatron_slapo.tracing.meta_fixes import experts_on_meta
-from megatron_slapo.training.plan import Plan, prepare
+from megatron_slapo.training.plan import Plan, prepare, start_groups
 
 DEEPSPEED_MAX_LIVE = 10**9  # DeepSpeed's stage3_max_live_parameters / max_reuse_distance defaults
 DEEPSPEED_PERSISTENT = 10**5  # its stage3_param_persistence_threshold default
@@ -82,6 +87,10 @@ class RankEstimate:
     micro_batches: int
     bubble: float  # the pipeline's idle fraction of a step
     schedule: str = field(default="", repr=False)  # Schedule.explain() of this rank
+    work: dict[str, Work] = field(default_factory=dict, repr=False)  # per step, by phase: the time model's
+    calls: dict[str, int] = field(default_factory=dict)  # per step: how many times each collective is called
+    groups: dict[str, list[int]] = field(default_factory=dict)  # the global ranks of each group it talks over
+    weight_tensors: int = 0  # the tensors its optimizer steps
     experts: ExpertShare | None = None  # its routed experts, under expert parallelism
     context_parallel: int = 1  # the ranks each sequence is split across (this one runs 1/C of its tokens)
 
@@ -103,6 +112,8 @@ class _Meter:
         self._seen: set[int] = set()
         self._log = CommLog()
         self.metrics = 0  # how many metrics the loss reports (each averaged over the ranks as an fp32)
+        self.ledger = OpLedger()  # every operator's work, for the time model
+        self.calls: dict[int, Counter[str]] = {}
 
     def count(self, comm: Counter[str]) -> None:
         """Collectives counted without being called (the context-parallel ring's, on meta): the
@@ -119,17 +130,27 @@ class _Meter:
 
     @contextlib.contextmanager
     def stage(self, k: int) -> Iterator[None]:
-        self._stage = k
+        self._stage = self.ledger.stage = k
         with FlopCounterMode(display=False) as counter:
             yield
         self.flops[k] += counter.get_total_flops()
+        self.calls.setdefault(k, Counter()).update(self._log.take_calls())
         self.comm.setdefault(k, Counter()).update(self._log.take())
+
+    @contextlib.contextmanager
+    def backward(self) -> Iterator[None]:
+        """Autograd's backward: its operators are filed as backward (or recompute) work."""
+        self.ledger.backward = True
+        try:
+            yield
+        finally:
+            self.ledger.backward = False
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         self._log.install()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t), self.ledger:
                 yield
         finally:
             self._log.uninstall()
@@ -157,24 +178,28 @@ def _run_stages(model: PipelineStages, plan: Plan, batch: dict, meter: _Meter) -
     with meter.stage(len(model.stages) - 1):
         loss, metrics = plan.task.criterion(values, batch)
         meter.metrics = len(metrics)
-        loss.backward()
+        with meter.backward():
+            loss.backward()
     for k in reversed(range(len(sent))):
         pairs = [(out, leaf.grad) for out, leaf in zip(sent[k], received[k], strict=True) if leaf.grad is not None]
-        with meter.stage(k):
+        with meter.stage(k), meter.backward():
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
     return [sum(v.numel() for v in values[:1]) for values in sent]  # megatron-core sends the first value
 
 
-def _meta_pass(plan: Plan, model: torch.nn.Module, batch: dict) -> tuple[_Meter, list[int]]:
+def _meta_pass(plan: Plan, model: torch.nn.Module, batch: dict, attention: str | None) -> tuple[_Meter, list[int]]:
     weights = {storage_key(p.untyped_storage()) for p in model.parameters()}
     meter = _Meter(weights)
-    with meter.installed(), unpacked_on_meta(), experts_on_meta(model), counting_exchanges(meter.count):
+    compiled = [node.mod for _, node in plan.sch.named_schedules() if node.metadata.compiled]
+    with (meter.installed(), unpacked_on_meta(), experts_on_meta(model), counting_exchanges(meter.count),
+          attention_kernel(attention), meter.ledger.fusing(compiled)):  # fmt: skip
         if isinstance(model, PipelineStages):
             return meter, _run_stages(model, plan, batch, meter)
         with meter.stage(0):
             loss, metrics = plan.task.loss(model, batch)
             meter.metrics = len(metrics)
-            loss.backward()
+            with meter.backward():
+                loss.backward()
     return meter, []
 
 
@@ -325,25 +350,85 @@ def _tied_bytes(model: PipelineStages, local: list[int], grad_bytes: int) -> int
     return sum(p.numel() for p in tied) * grad_bytes
 
 
-def estimate(task: str, argv: list[str], world: int, rank: int) -> RankEstimate:
-    """Plan rank ``rank`` of a ``world``-rank run of ``pretrain_<task>.py <argv>`` and measure it on meta."""
+def micro_batches_in_flight(micro: int, pp: int, pp_rank: int, chunks: int) -> float:
+    """Micro-batches whose activations pipeline rank ``pp_rank`` holds at once, each of its
+    ``chunks`` virtual stages counting for ``1/chunks`` of one."""
+    if chunks == 1:  # 1F1B: the warm-up forwards, then one more before the first backward
+        return min(micro, pp - pp_rank)
+    # interleaved: megatron-core's warm-up count, in chunk forwards
+    return min(micro * chunks, (pp - pp_rank - 1) * 2 + (chunks - 1) * pp + 1) / chunks
+
+
+@dataclass
+class _Measured:
+    """A plan built on meta and measured by one pass, which runs every stage whatever the rank:
+    what ranks in the same place but for their pipeline rank share (:func:`estimate`)."""
+
+    key: tuple  # estimate()'s (task, argv, world, attention)
+    place: tuple[int, ...]  # _place() of the rank planned
+    plan: Plan
+    model: torch.nn.Module
+    meter: _Meter
+    crossing: list[int]  # _run_stages()'
+    traffic: RoutedTraffic
+    schedule: str  # Schedule.explain(), before the build
+
+
+_last: _Measured | None = None  # the last plan measured, for the next rank of the same run
+
+
+def _place() -> tuple[int, ...]:
+    """This rank's place but for its pipeline rank: what decides its shards and its micro-batch."""
+    from megatron.core import parallel_state as ps
+
+    layout = Layout.current()
+    return (layout.tp_rank, layout.dp_rank, layout.cp_rank, layout.data_rank, ps.get_expert_model_parallel_rank(),
+            ps.get_expert_tensor_parallel_rank())  # fmt: skip
+
+
+def estimate(task: str, argv: list[str], world: int, rank: int, attention: str | None = None) -> RankEstimate:
+    """Plan rank ``rank`` of a ``world``-rank run of ``pretrain_<task>.py <argv>`` and measure it on meta.
+
+    ``attention``: ``"flash"`` runs the attention as a GPU's fused kernel does, which keeps no score
+    matrices (:mod:`~megatron_slapo.estimates.kernel_attention`); None, as SDPA runs on meta (its math
+    path, which keeps them).
+
+    Ranks that differ only in their pipeline rank build the same model, and the meta pass runs every
+    stage of it: asked for one after another (explain asks for each stage's first rank), the later
+    ranks read their own stages of the last one's plan and pass, which are not made again."""
+    global _last
     from megatron_slapo.arguments.parser import parse_args
 
-    args = parse_args(task, argv)
+    key = (task, tuple(argv), world, attention)
     try:  # the fake group goes, whatever happens (an error is then reported as a plain process's)
-        with contextlib.redirect_stdout(io.StringIO()):  # the trainer's start-up lines: not the report
-            plan = prepare(args, world, simulate_rank=rank)
-        return _estimate(plan, rank)
+        if _last is not None and _last.key == key:
+            start_groups(_last.plan.args, world, rank)  # as the plan laid it out, at this rank
+        if _last is None or _last.key != key or _place() != _last.place:
+            _last = None  # the last model goes before the next is built
+            args = parse_args(task, argv)
+            with contextlib.redirect_stdout(io.StringIO()):  # the trainer's start-up lines: not the report
+                plan = prepare(args, world, simulate_rank=rank)
+            _last = _measure(plan, key, attention)
+        return _estimate(_last, Layout.current(), rank)
     finally:
         parallel.destroy()
 
 
-def _estimate(plan: Plan, rank: int) -> RankEstimate:
-    args, layout = plan.args, plan.layout
+def _measure(plan: Plan, key: tuple, attention: str | None) -> _Measured:
+    """Build ``plan``'s model on meta and run its pass."""
     text = plan.sch.explain()
     model = ms.build(plan.sch, init_weights=False, device="meta", recompute_pipeline_inputs=True)
-    if half := half_precision(args):  # megatron-core and DeepSpeed convert the model, FSDP gathers it so;
+    if half := half_precision(plan.args):  # megatron-core and DeepSpeed convert the model, FSDP gathers it so;
         model.to(half)  # DDP's autocast keeps some activations in fp32, which this pass does not
+    with RoutedTraffic(model, plan.args.moe_token_dispatcher_type) as traffic:
+        meter, crossing = _meta_pass(plan, model, _meta_batch(plan), attention)
+    return _Measured(key, _place(), plan, model, meter, crossing, traffic, text)
+
+
+def _estimate(measured: _Measured, layout: Layout, rank: int) -> RankEstimate:
+    """Rank ``rank``'s estimate (of ``layout``'s place) from its stages of ``measured``."""
+    plan, model, meter, crossing = measured.plan, measured.model, measured.meter, measured.crossing
+    args, half, text = plan.args, half_precision(plan.args), measured.schedule
     dp, pp = args.data_parallel_size, layout.pp_size
     micro = args.global_batch_size // (args.micro_batch_size * dp)
     copies = weight_replicas(args)  # the data-parallel ranks, times the context-parallel ones: the weights' copies
@@ -357,10 +442,8 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
                        sum(p.numel() for p in unique if is_expert(p)))  # fmt: skip
     experts = expert_share((node for _, node in plan.sch.named_schedules()), unique, _weight_bytes(args))
     edp = experts.expert_data_parallel if experts else copies
-    with RoutedTraffic(model, args.moe_token_dispatcher_type) as traffic:
-        meter, crossing = _meta_pass(plan, model, _meta_batch(plan))
     # the tokens' exchange: counted from what reached the experts, in place of the meta pass's (its routing is a guess)
-    routed = traffic.per_micro_batch(modules)
+    routed = measured.traffic.per_micro_batch(modules)
     comm: Counter[str] = Counter({key: micro * value for key, value in routed.items()})
     for k in local:
         comm.update({key: micro * value for key, value in meter.comm.get(k, {}).items() if key not in routed})
@@ -382,14 +465,22 @@ def _estimate(plan: Plan, rank: int) -> RankEstimate:
         if tied:
             comm["all_reduce[embd]"] += tied
         chunks = len(local)  # virtual stages per rank
-        if chunks == 1:  # 1F1B: the warm-up forwards, then one more before the first backward
-            in_flight = min(micro, pp - layout.pp_rank)
-        else:  # interleaved: megatron-core's warm-up count, in chunk forwards (a chunk holds 1/chunks of it)
-            in_flight = min(micro * chunks, (pp - layout.pp_rank - 1) * 2 + (chunks - 1) * pp + 1) / chunks
+        in_flight = micro_batches_in_flight(micro, pp, layout.pp_rank, chunks)
         bubble = (pp - 1) / (chunks * micro + pp - 1)
+    calls: Counter[str] = Counter()
+    for k in local:
+        calls.update({key: micro * value for key, value in meter.calls.get(k, {}).items()})
     return RankEstimate(
         rank=rank, coordinates=layout.coordinates()[1], stages=local,
         memory=_state_bytes(args, weights, copies, stage, edp), activations=activations, in_flight=in_flight,
         comm=dict(sorted(comm.items())), flops=micro * sum(meter.flops[k] for k in local), micro_batches=micro,
         bubble=bubble, schedule=text, experts=experts, context_parallel=args.context_parallel_size,
+        work=meter.ledger.phases(local, micro), calls={key: calls.get(key, 1) for key in comm},
+        groups=_group_ranks(), weight_tensors=len(unique),
     )  # fmt: skip
+
+
+def _group_ranks() -> dict[str, list[int]]:
+    """The global ranks of each of this rank's named groups (megatron-core's rank order, which the
+    time model reads to tell a group inside a node from one across nodes)."""
+    return {name: dist.get_process_group_ranks(group) for group, name in group_names().items()}

@@ -80,6 +80,7 @@ class CommLog:
 
     def __init__(self) -> None:
         self.bytes: Counter[str] = Counter()
+        self.calls: Counter[str] = Counter()  # how many times each was called (the time model's latencies)
         self._originals: dict[str, Callable] = {}
         self._names = group_names()
         self._depth = 0
@@ -97,7 +98,9 @@ class CommLog:
             group = kwargs.get("group", args[group_index] if len(args) > group_index else None)
             if self._depth == 0 and dist.get_world_size(group) > 1:  # counted once; a 1-rank group moves nothing
                 payload = kwargs.get(keyword, args[index] if len(args) > index else None)
-                self.bytes[f"{_SHOWN.get(op, op)}[{self._group_name(group)}]"] += _size(payload)
+                key = f"{_SHOWN.get(op, op)}[{self._group_name(group)}]"
+                self.bytes[key] += _size(payload)
+                self.calls[key] += 1
             self._depth += 1
             try:
                 return fn(*args, **kwargs)
@@ -115,7 +118,12 @@ class CommLog:
         self._originals.clear()
 
     def take(self) -> dict[str, int]:
-        """The counts since the last call, and start afresh."""
+        """The counts since the last call, and start afresh (the calls too: :meth:`take_calls` first)."""
         out = dict(self.bytes)
         self.bytes.clear()
+        self.calls.clear()
         return out
+
+    def take_calls(self) -> dict[str, int]:
+        """How many times each collective was called since the last :meth:`take`."""
+        return dict(self.calls)

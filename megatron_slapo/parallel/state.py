@@ -34,13 +34,15 @@ def _destroy_model_parallel() -> None:
     again and again (a test suite, a notebook) would pile up thousands of them."""
     from megatron.core import parallel_state as ps
 
+    simulated = dist.is_initialized() and dist.get_backend() == "fake"
     groups = parallel_state_groups()
     ps.destroy_model_parallel()
     for group in groups:
         if group is not dist.group.WORLD and is_live_group(group):
             dist.destroy_process_group(group)
     groups.clear()
-    gc.collect()  # a group sits in reference cycles: its threads end when it is collected
+    if not simulated:  # a fake group (simulate()) runs no threads, and explain plans rank after rank
+        gc.collect()  # a group sits in reference cycles: its threads end when it is collected
 
 
 _launcher_store: dist.Store | None = None

@@ -149,16 +149,8 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     if problem:
         raise ConfigError(problem)
     print_arguments(argparse.Namespace(**settings.arguments(args)))
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    experts = dict(
-        expert_parallel=args.expert_model_parallel_size,
-        expert_tensor_parallel=args.expert_tensor_parallel_size,
-        context_parallel=args.context_parallel_size,
-    )
-    if simulate_rank is None:
-        parallel.initialize(tp, pp, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes, **experts)
-    else:
-        parallel.simulate(world, simulate_rank, tp, pp, seed=args.seed, **experts)
+    tp = args.tensor_model_parallel_size
+    start_groups(args, world, simulate_rank)
     layout = Layout.current()
     resume_path = None  # the checkpoint --load resumes from (not looked for when simulating)
     if simulate_rank is None:  # what the run reads and writes, checked and agreed on by every rank before compute
@@ -255,6 +247,21 @@ def prepare(args: argparse.Namespace, world: int | None = None, simulate_rank: i
     recorded = {**settings.arguments(args), **(data.arguments() if data else {}), **asdict(shape)}
     return Plan(args, settings, task, config, layout, sch, stages, datasets, model_class, metadata_vocab, resume_path,
                 started, data.vocab if data else None, shape, recorded, checkpoint, tied_weights(model))  # fmt: skip
+
+
+def start_groups(args: argparse.Namespace, world: int, simulate_rank: int | None = None) -> None:
+    """Start the process groups of the layout ``args`` give (checked by :func:`validate_args`):
+    this process's rank of the run, or rank ``simulate_rank`` of ``world`` over torch's fake group."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    experts = dict(
+        expert_parallel=args.expert_model_parallel_size,
+        expert_tensor_parallel=args.expert_tensor_parallel_size,
+        context_parallel=args.context_parallel_size,
+    )
+    if simulate_rank is None:
+        parallel.initialize(tp, pp, seed=args.seed, timeout_minutes=args.distributed_timeout_minutes, **experts)
+    else:
+        parallel.simulate(world, simulate_rank, tp, pp, seed=args.seed, **experts)
 
 
 def describe_ranks(args: argparse.Namespace) -> str:
