@@ -41,7 +41,10 @@ def test_ranking_plans_recompute_only_where_the_cheaper_does_not_fit():
     assert planned == [["1", "none"], ["1", "selective"], ["1", "full"], ["2", "none"]]
     assert [(p.point["tp"], p.point["recompute"]) for p in ranked if p.prediction] == [(2, "none")]
     assert [p.why for p in ranked if not p.prediction] == [
-        "over memory: rank 0 needs 0.0 GiB", "over memory: rank 0 needs 0.0 GiB", "refused: refused"]
+        "over memory: rank 0 needs 0.0 GiB",
+        "over memory: rank 0 needs 0.0 GiB",
+        "refused: refused",
+    ]
 
 
 def _autotune(*flags):
