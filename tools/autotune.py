@@ -238,24 +238,22 @@ def _planner(task: str, base: list[str], world: int):
 
 def _predictor(task: str, base: list[str], world: int, per_node: int, hw: hardware.Hardware):
     def plan(flags: list[str]) -> tuple[int, int, prediction.Prediction]:
-        from megatron_slapo.estimates.time_model import predict
-        from tools.explain import explain
+        from tools.explain import predicted
 
-        argv = [*base, *flags]
-        estimates = explain(task, argv, world, attention=hw.attention_kernel)
+        estimates, step = predicted(task, [*base, *flags], world, per_node, hw)
         worst = max(estimates, key=lambda e: e.peak)
-        return worst.peak, worst.rank, predict(estimates, parse_args(task, argv), hw, world, per_node)
+        return worst.peak, worst.rank, step
 
     return plan
 
 
 def multi_node_command(task: str, nodes: int, per_node: int, base: list[str], flags: list[str]) -> str:
     """The training command of a configuration for each of ``nodes`` nodes of ``per_node`` devices."""
-    rendezvous = ["--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", "$MASTER_ADDR:29500"]
-    launch = [*launcher(), *(rendezvous if nodes > 1 else ["--standalone"]), f"--nproc_per_node={per_node}"]
-    return shlex.join([*launch, f"pretrain_{task}.py", *base, *flags]).replace(
-        "'$MASTER_ADDR:29500'", "$MASTER_ADDR:29500"
-    )
+    if nodes == 1:
+        return command(task, per_node, base, flags)
+    rendezvous = shlex.join([*launcher(), "--nnodes", str(nodes), "--rdzv-backend", "c10d", "--rdzv-endpoint"])
+    rest = shlex.join([f"--nproc_per_node={per_node}", f"pretrain_{task}.py", *base, *flags])
+    return f"{rendezvous} $MASTER_ADDR:29500 {rest}"  # the address each node's shell fills in
 
 
 def predicted_search(ours: argparse.Namespace, base: list[str], trial: list[str], space: Space, hw: hardware.Hardware,
@@ -278,7 +276,7 @@ def predicted_search(ours: argparse.Namespace, base: list[str], trial: list[str]
             print(f"> {i}. {prediction.describe(p)}")
             print(multi_node_command(ours.task, ours.nodes, per_node, base, p.flags))
         return
-    run = _runner(ours.task, trial, world, ours.warmup, ours.steps, ours.trial_timeout)
+    run = trial_runner(ours.task, trial, world, ours.warmup, ours.steps, ours.trial_timeout)
     measured = []
     for p in fit[: ours.trials]:
         result = run(p.flags)
@@ -319,7 +317,9 @@ def launcher() -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run"]
 
 
-def _runner(task: str, base: list[str], nproc: int, warmup: int, steps: int, timeout: int):
+def trial_runner(task: str, base: list[str], nproc: int, warmup: int, steps: int, timeout: int):
+    """``run(flags)``: one trial of ``base + flags`` on ``nproc`` ranks, its JSON result (or its error)."""
+
     def run(flags: list[str]) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.json")
@@ -426,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"> searching {len(space)} configurations on {world} ranks; memory budget {budget / 2**30:.2f} GiB "
               f"per rank; results in {ours.results}", flush=True)  # fmt: skip
         outcome = search(space, flags_of, _planner(ours.task, trial, world),
-                         _runner(ours.task, trial, world, ours.warmup, ours.steps, ours.trial_timeout), budget,
+                         trial_runner(ours.task, trial, world, ours.warmup, ours.steps, ours.trial_timeout), budget,
                          results=ours.results, exhaustive=ours.exhaustive, confirm=ours.confirm_rounds,
                          setting={"task": ours.task, "nproc": world, "warmup": ours.warmup, "steps": ours.steps,
                                   "flags": trial}, plan_version=plan_version())  # fmt: skip

@@ -5,8 +5,9 @@
 
 Each layout is predicted by ``tools/explain.py``'s planning and the time model
 (:mod:`megatron_slapo.estimates.time_model`) with the ``--hardware`` profile, then trained for
-``--warmup`` + ``--steps`` steps by one ``torchrun`` of :mod:`megatron_slapo.tuning.trial` (every
-rank one thread, as torchrun starts them; the median of the slowest rank's step times). It prints
+``--warmup`` + ``--steps`` steps by one ``torchrun`` of :mod:`megatron_slapo.tuning.trial`, launched as
+``tools/autotune.py`` launches its trials (every rank one thread, as torchrun starts them; the
+median of the slowest rank's step times). It prints
 and writes (``prediction.json``, ``prediction.md`` under ``--out``) each layout's predicted and
 measured seconds, their ratio, the predicted breakdown, and Spearman's rank correlation of the
 two orders. The layouts (:data:`LAYOUTS`) cover every parallelism and recompute mode on GPT-2 and
@@ -22,25 +23,20 @@ import argparse
 import contextlib
 import io
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run as a script from anywhere
-sys.path.insert(0, str(ROOT / "tools"))
-
-from explain import explain  # noqa: E402
 
 from megatron_slapo.arguments.output_paths import check_output_file  # noqa: E402
-from megatron_slapo.arguments.parser import parse_args  # noqa: E402
 from megatron_slapo.errors import ConfigError  # noqa: E402
 from megatron_slapo.estimates import hardware  # noqa: E402
-from megatron_slapo.estimates.time_model import predict  # noqa: E402
 from megatron_slapo.training import error_report  # noqa: E402
+from tools.autotune import trial_runner  # noqa: E402
+from tools.explain import predicted  # noqa: E402
 
 SIZES = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
          "--micro-batch-size", "4", "--global-batch-size", "16", "--hidden-dropout", "0", "--attention-dropout", "0"]  # fmt: skip
@@ -69,33 +65,14 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "qwen3_moe ep2": (2, [*MOE, "--expert-model-parallel-size", "2"]),
 }
 QUICK = ("gpt tp2", "gpt pp2 1f1b", "gpt tp2 pp2")
+TRIAL_TIMEOUT = 900  # seconds a layout's trial may take
 
 
-def predicted(flags: list[str], world: int, profile: hardware.Hardware) -> dict:
+def guessed(flags: list[str], world: int, profile: hardware.Hardware) -> dict:
     """The time model's step for ``flags`` on ``world`` ranks of this machine."""
     with contextlib.redirect_stdout(io.StringIO()):
-        estimates = explain("gpt", flags, world, attention=profile.attention_kernel)
-    args = parse_args("gpt", flags)
-    p = predict(estimates, args, profile, world, world)
+        _, p = predicted("gpt", flags, world, world, profile)
     return {"seconds": p.step_time_s, "breakdown_s": p.breakdown_s, "verdict": p.verdict}
-
-
-def measured(flags: list[str], world: int, warmup: int, steps: int, scratch: str) -> dict:
-    """The median step of a real run: one torchrun of the trial module (a result or its error)."""
-    out = Path(scratch) / "trial.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-               "-m", "megatron_slapo.tuning.trial", "--out", str(out), "--warmup", str(warmup), "--steps", str(steps),
-               "--", *flags, "--tensorboard-dir", str(Path(scratch) / "tb"), "--data-cache-path", str(Path(scratch) / "cache")]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(command, cwd=scratch, env=env, capture_output=True, text=True)
-    if not out.is_file():
-        return {"error": (done.stderr.strip().splitlines() or ["no result"])[-1]}
-    result = json.loads(out.read_text())
-    return (
-        {"error": result["error"]}
-        if "error" in result
-        else {"seconds": result["step_seconds"], "steps": result["steps"]}
-    )
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -129,12 +106,13 @@ def run(names: list[str], profile: hardware.Hardware, warmup: int, steps: int) -
         world, flags = LAYOUTS[name]
         row: dict = {"layout": name, "ranks": world, "flags": flags}
         with tempfile.TemporaryDirectory() as scratch:
-            guess = predicted(flags, world, profile)
-            real = measured(flags, world, warmup, steps, scratch)
+            cache = ["--data-cache-path", str(Path(scratch) / "cache")]
+            guess = guessed([*flags, *cache], world, profile)
+            real = trial_runner("gpt", [*flags, *cache], world, warmup, steps, TRIAL_TIMEOUT)([])
         if "error" in real:
             row["error"] = real["error"]
         else:
-            row |= {"predicted": guess["seconds"], "measured": real["seconds"], "steps": real["steps"],
+            row |= {"predicted": guess["seconds"], "measured": real["step_seconds"], "steps": real["steps"],
                     "breakdown_s": guess["breakdown_s"], "verdict": guess["verdict"]}  # fmt: skip
         print(f"{name}: {row.get('predicted', 0):.3f} s predicted, {row.get('measured', 0):.3f} s measured "
               f"{row.get('error', '')}", flush=True)  # fmt: skip

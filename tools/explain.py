@@ -85,6 +85,15 @@ def explain(task: str, argv: list[str], world: int, attention: str | None = None
     return [estimate(task, argv, world, rank, attention=attention) for rank in stage_ranks(argv, task, world)]
 
 
+def predicted(
+    task: str, argv: list[str], world: int, per_node: int, hw: Hardware
+) -> tuple[list[RankEstimate], Prediction]:
+    """The estimates of :func:`explain`, with the attention kernel ``hw``'s device runs, and the
+    time model's step on ``hw`` (``per_node`` ranks to a node)."""
+    estimates = explain(task, argv, world, attention=hw.attention_kernel)
+    return estimates, predict(estimates, parse_args(task, argv), hw, world, per_node)
+
+
 def _experts(e: RankEstimate) -> list[str]:
     """Expert parallelism's lines for rank ``e``: its share of the routed experts, their groups and
     the tokens' all-to-all (listed with the collectives above)."""
@@ -202,26 +211,27 @@ def main(argv: list[str] | None = None) -> None:
         if world >= LARGE_WORLD_SIZE:
             print(f"> laying out the process groups of {world} ranks (megatron-core makes every rank's): this takes "
                   "a while", flush=True)  # fmt: skip
-        kernel = hw.attention_kernel if hw else None
-        estimates = [estimate(ours.task, rest, world, rank, attention=kernel) for rank in ranks]
+        if hw:
+            estimates, prediction = predicted(ours.task, rest, world, per_node or world, hw)
+        else:
+            estimates, prediction = [estimate(ours.task, rest, world, rank) for rank in ranks], None
         loading = checkpointing.describe_load(args.load, args, world) if args.load else None
-        predicted = predict(estimates, args, hw, world, per_node or world) if hw else None
     print(report(estimates, world))
     if args.fp8_format:
         print(FP8_MEMORY)
     if loading:
         print(f"Checkpoint to load: {loading}")
-    if predicted:
-        print(prediction_report(predicted, world, per_node or world))
+    if prediction:
+        print(prediction_report(prediction, world, per_node or world))
     if ours.json:
         rows = [{k: v for k, v in dataclasses.asdict(e).items() if k not in ("schedule", "work")}
                 | {"peak": e.peak, "work": {p: w.to_json() for p, w in e.work.items()}} for e in estimates]  # fmt: skip
         os.makedirs(os.path.dirname(ours.json) or ".", exist_ok=True)
-        extra = {"predicted": predicted.to_json()} if predicted else {}
+        extra = {"predicted": prediction.to_json()} if prediction else {}
         Path(ours.json).write_text(json.dumps({"world_size": world, "ranks": rows, **extra}, indent=1))
-    if predicted and not predicted.fits:
+    if prediction and not prediction.fits:
         with error_report.user_errors("explain.py"):
-            raise ConfigError(f"the layout does not fit in memory: {predicted.memory_problem}")
+            raise ConfigError(f"the layout does not fit in memory: {prediction.memory_problem}")
 
 
 if __name__ == "__main__":

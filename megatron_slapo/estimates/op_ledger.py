@@ -79,12 +79,6 @@ class Work:
     def flops(self) -> float:
         return sum(f for _, f in self.gemm.values()) + sum(f for _, f in self.attention.values())
 
-    @property
-    def calls(self) -> int:
-        return (
-            int(sum(c for c, _ in self.gemm.values()) + sum(c for c, _ in self.attention.values())) + self.other_calls
-        )
-
     def to_json(self) -> dict[str, Any]:
         return {"gemm": [[*key, calls, flops] for key, (calls, flops) in sorted(self.gemm.items())],
                 "attention": {k: v for k, v in sorted(self.attention.items())},

@@ -38,14 +38,12 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
+from megatron_slapo.estimates.estimate import RankEstimate, zero_stage
 from megatron_slapo.estimates.hardware import Hardware, Link
 from megatron_slapo.estimates.op_ledger import Work
-
-if TYPE_CHECKING:
-    from megatron_slapo.estimates.estimate import RankEstimate
 
 # Share of the elementwise work's time left once torch.compile fuses it: fitted to the H200 runs of
 # docs/benchmarks/gpu-2026-11-26 (GPT-2 124M and Llama 1B, each eager against its layers compiled)
@@ -81,7 +79,6 @@ class Prediction:
     hardware: str
     fits: bool = True
     memory_problem: str = ""
-    ranks: dict[int, float] = field(default_factory=dict)  # each planned rank's own step time
 
     def to_json(self) -> dict[str, Any]:
         return {"step_time_s": self.step_time_s, "tokens_per_s_per_device": self.tokens_per_s_per_device,
@@ -179,8 +176,6 @@ def predict(
 ) -> Prediction:
     """The step of ``estimates`` (each pipeline stage's first rank of a ``world``-rank run of the
     trainer's ``args``, ``per_node`` ranks to a node) on ``hw``."""
-    from megatron_slapo.estimates.estimate import zero_stage
-
     zero = zero_stage(args, world // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
     # ranks sharing a CPU's cores slow each other while they compute (not while a pipeline idles)
     computing = min(world, per_node) * (1 - estimates[0].bubble)
@@ -202,7 +197,6 @@ def predict(
         step_time_s=step, tokens_per_s_per_device=tokens / step / world, tflops_per_device=tflops,
         mfu=tflops / hw.peak("bf16" if hw.peak_tflops.get("bf16") else "fp32"),
         breakdown_s={k: v for k, v in parts.items() if v}, slowest_rank=slowest, verdict="", hardware=hw.name,
-        ranks={rank: sum(p.values()) for rank, p in per_rank.items()},
     )  # fmt: skip
     prediction.verdict = verdict(prediction)
     fits(prediction, estimates, hw)
