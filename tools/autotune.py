@@ -110,7 +110,7 @@ def hardware_of(ours: argparse.Namespace) -> tuple[hardware.Hardware | None, int
             raise ConfigError(f"{', '.join(needs)}: give --hardware too (what to predict on)")
         return None, ours.nproc_per_node
     hw = hardware.load(ours.hardware)
-    per_node = ours.gpus_per_node or (8 if hw.compute_units is None else ours.nproc_per_node)
+    per_node = ours.gpus_per_node or (hardware.GPUS_PER_NODE if hw.compute_units is None else ours.nproc_per_node)
     if ours.nodes < 1 or per_node < 1 or (ours.trials is not None and ours.trials < 1):
         raise ConfigError("--nodes, --gpus-per-node and --trials must be at least 1")
     if ours.trials is not None and (ours.predict_only or ours.nodes * per_node != ours.nproc_per_node):

@@ -62,7 +62,6 @@ from megatron_slapo.training.plan import take_checkpoint_args  # noqa: E402
 # about a second more per thousand ranks, so from LARGE_WORLD_SIZE on explain says it is at work, and
 # beyond MAX_WORLD_SIZE (minutes) it refuses.
 LARGE_WORLD_SIZE, MAX_WORLD_SIZE = 4096, 65536
-DEFAULT_GPUS_PER_NODE = 8  # a DGX/HGX node
 
 
 def _mib(n: float) -> str:
@@ -156,7 +155,7 @@ def machine_size(gpus_per_node: int | None, nodes: int | None, world: int | None
         raise ConfigError("--gpus-per-node and --nodes place a run on hardware: give --hardware too")
     if gpus_per_node is not None and gpus_per_node < 1 or nodes is not None and nodes < 1:
         raise ConfigError("--gpus-per-node and --nodes must be at least 1")
-    per_node = gpus_per_node or (DEFAULT_GPUS_PER_NODE if hw and hw.compute_units is None else None)
+    per_node = gpus_per_node or (hardware.GPUS_PER_NODE if hw and hw.compute_units is None else None)
     if nodes is not None and per_node is None:
         raise ConfigError("--nodes needs --gpus-per-node with a CPU profile")
     if nodes is not None and world is not None and nodes * per_node != world:

@@ -37,6 +37,7 @@ from typing import Any
 from megatron_slapo.errors import ConfigError
 
 PROFILES = Path(__file__).with_name("profiles")
+GPUS_PER_NODE = 8  # a GPU profile's node unless told otherwise: a DGX/HGX
 REQUIRED = {
     "name": str, "peak_tflops": dict, "memory_gib": (int, float), "memory_gb_per_s": (int, float),
     "scale_up": dict, "scale_out": dict, "efficiency": dict, "op_overhead_us": (int, float),
