@@ -1,7 +1,7 @@
 """tools/calibrate.py and tools/bench_prediction.py as a user runs them: this machine calibrated
 (quick), two layouts predicted and trained. Slow tier: it times real steps, and the tolerance is
 the one this noisy shared machine allows (a factor of two either way), not the docs' 25%
-(docs/benchmarks/2026-11-29-prediction-cpu has the full run)."""
+(docs/benchmarks/2026-11-29-prediction-cpu-2 has the full run)."""
 
 import json
 import os

@@ -41,6 +41,10 @@ def test_quick_calibration_is_a_profile(profile_path: Path) -> None:
     for fits in hw.collectives.values():
         latency, gb_per_s = fits["2"]
         assert latency >= 0 and gb_per_s > 0
+    assert set(hw.collective_seconds) == set(calibration.COLLECTIVES)
+    for points in hw.collective_seconds.values():
+        sizes, seconds = zip(*points["2"], strict=True)
+        assert list(sizes) == sorted(sizes) and list(seconds) == sorted(seconds) and seconds[0] > 0
     data = json.loads(profile_path.read_text())
     assert data["cache_gb_per_s"] > 0 and data["op_overhead_nograd_us"] > 0
     assert data["measurements"]["collectives"]["2"]["all_reduce"], "the raw times are kept"
@@ -73,4 +77,9 @@ def test_fits_recover_the_parameters_of_made_up_times() -> None:
     assert error < 0.01
     latency_us, gb_per_s = calibration.fit_link([(n, 50e-6 + n / 2e9) for n in (2**10, 2**16, 2**20, 2**25)])
     assert latency_us == pytest.approx(50, rel=1e-6) and gb_per_s == pytest.approx(2, rel=1e-6)
+    latency_us, gb_per_s = calibration.fit_link([(2**10, 2e-3), (2**16, 1.8e-3), (2**20, 1.5e-3)])  # noise: no growth
+    assert latency_us > 0 and gb_per_s == pytest.approx(2**20 / 1.5e-3 / 1e9)
     assert calibration.fit_efficiency([(f, f / (peak * 0.4)) for f in (1e9, 1e10)], peak) == pytest.approx(0.4)
+    # a larger call takes no less time: what says otherwise is pooled (least squares)
+    assert calibration.monotone([[1, 3.0], [2, 1.0], [4, 5.0], [8, 4.0], [16, 9.0]]) == [
+        [1, 2.0], [2, 2.0], [4, 4.5], [8, 4.5], [16, 9.0]]  # fmt: skip

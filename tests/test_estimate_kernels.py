@@ -54,10 +54,10 @@ def test_pipeline_ranks_share_one_plan_and_pass(tmp_path, monkeypatch):
         return prepare(*args, **kwargs)
 
     monkeypatch.setattr(module, "prepare", counted)
-    monkeypatch.setattr(module, "_last", None)
+    monkeypatch.setattr(module, "_plans", {})
     first, second = (_estimate(tmp_path, flags, world=2, rank=rank) for rank in (0, 1))
     assert planned == [0] and (first.stages, second.stages) == ([0], [1])
-    monkeypatch.setattr(module, "_last", None)
+    monkeypatch.setattr(module, "_plans", {})
     assert _estimate(tmp_path, flags, world=2, rank=1) == second and planned == [0, 1]
 
 

@@ -14,7 +14,7 @@ from megatron_slapo.arguments.parser import parse_args
 from megatron_slapo.errors import ConfigError
 from megatron_slapo.estimates import hardware
 from megatron_slapo.estimates.op_ledger import Work
-from megatron_slapo.estimates.time_model import collective_time, compute_time, predict
+from megatron_slapo.estimates.time_model import collective_time, compute_time, interpolated, predict
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -78,6 +78,15 @@ def test_a_collective_crossing_nodes_takes_the_slower_link():
     assert collective_time("irecv", 2**30, 1, [0, 1], H100, 8) == 0  # priced at its send
     measured = replace(H100, collectives={"all_reduce": {"8": [100.0, 1.0]}})
     assert collective_time("all_reduce", 10**9, 2, list(range(8)), measured, 8) == pytest.approx(2e-4 + 1)
+    # measured call by call: two calls of 3 MiB each read between the 2 and 4 MiB measurements
+    per_call = replace(measured, collective_seconds={"all_reduce": {"8": [[2**21, 1e-3], [2**22, 3e-3]]}})
+    assert collective_time("all_reduce", 3 * 2**21, 2, list(range(8)), per_call, 8) == pytest.approx(2 * 2e-3)
+
+
+def test_measured_times_are_read_between_and_beyond_the_sizes_measured():
+    points = [[1.0, 10.0], [3.0, 30.0], [5.0, 40.0]]
+    assert [interpolated(points, x) for x in (2.0, 4.0, 7.0, 0.0, 0.5)] == [20.0, 35.0, 50.0, 10.0, 10.0]
+    assert interpolated([[1.0, 2.0]], 9.0) == 2.0
 
 
 def test_tensor_parallelism_across_nodes_is_predicted_slower(tmp_path):

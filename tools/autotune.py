@@ -240,7 +240,7 @@ def _predictor(task: str, base: list[str], world: int, per_node: int, hw: hardwa
     def plan(flags: list[str]) -> tuple[int, int, prediction.Prediction]:
         from tools.explain import predicted
 
-        estimates, step = predicted(task, [*base, *flags], world, per_node, hw)
+        estimates, step = predicted(task, [*base, *flags], world, per_node, hw, shallow=True)
         worst = max(estimates, key=lambda e: e.peak)
         return worst.peak, worst.rank, step
 

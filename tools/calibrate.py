@@ -23,11 +23,14 @@ Measures the current CUDA device if there is one, else the CPU, and writes the J
   beyond that (on a CPU, exp or erf per element outlasts its bytes);
 - ``efficiency.attention``: causal SDPA forward and backward, FLOPs as the time model's
   ``FlopCounterMode`` counts them, over the fp32 peak (CPU) or the bf16 peak (GPU);
-- ``collectives``: ``[latency_us, gb_per_s]`` of all-reduce, all-gather, reduce-scatter,
-  all-to-all, broadcast and send at each ``--ranks`` size, fitted over payloads of 1 KiB to 32 MiB
-  as ``--log-comm`` counts them, from ranks this tool spawns (gloo on a CPU, NCCL over one GPU per
-  rank; a size with too few GPUs is skipped). ``scale_up`` (and ``scale_out``: one machine has no
-  other link) is the link a ring all-reduce of the smallest size implies; ``efficiency.link`` is 1;
+- ``collective_seconds``: the seconds of one call of all-reduce, all-gather, reduce-scatter,
+  all-to-all, broadcast and send at each ``--ranks`` size, over payloads of 1 KiB to 16 MiB as
+  ``--log-comm`` counts them, from ranks this tool spawns (gloo on a CPU, NCCL over one GPU per
+  rank; a size with too few GPUs is skipped), as a step pays them: the mean call, each after a few
+  GEMMs of every rank's own and with a new result (the wait for the last rank, the page faults);
+  ``collectives``: ``[latency_us, gb_per_s]`` fitted to them. ``scale_up`` (and ``scale_out``: one
+  machine has no other link) is the link a ring all-reduce of the smallest size implies;
+  ``efficiency.link`` is 1;
 - ``communication_overlap``: with gloo, the measured share of an asynchronous all-reduce hidden
   under GEMMs on every rank; 1 on a GPU (NCCL runs on SMs and copy engines of its own).
 
@@ -103,11 +106,11 @@ def _layer(tokens: int, hidden: int) -> tuple[Shape, ...]:
     return (tokens, 3 * hidden, hidden), (tokens, hidden, hidden), up, down
 
 
-_PAYLOADS = tuple(2**10 * 8**i for i in range(6))  # 1 KiB to 32 MiB
+_PAYLOADS = tuple(2**10 * 4**i for i in range(8))  # 1 KiB to 16 MiB
 GRIDS = {  # (device type, quick) -> Grid
     ("cpu", False): Grid(_squares(2048) + ((16, 1024, 1024), (1024, 1024, 64), (128, 2048, 1024)),
                          _layer(512, 512) + _layer(2048, 1024), (), ((1, 4, 128, 64), (1, 8, 256, 64),
-                         (1, 8, 512, 64), (2, 8, 1024, 64)), 64 * MIB, MIB // 3, _PAYLOADS, 9, 0.25),
+                         (1, 8, 512, 64), (2, 8, 1024, 64)), 64 * MIB, MIB // 3, _PAYLOADS, 20, 0.25),
     ("cpu", True): Grid(((16, 16, 16), (64, 64, 64), (256, 256, 256), (512, 512, 512), (16, 512, 512)),
                         _layer(256, 256)[2:], (), ((1, 4, 128, 64), (1, 4, 256, 64)), 64 * MIB, MIB // 3,
                         (2**10, 2**16, 2**20), 5, 0.04),
@@ -256,6 +259,8 @@ def build_profile(device: torch.device, name: str, compute: dict[str, Any], link
         "compute_units": len(os.sched_getaffinity(0)) if cpu else None,
         "attention_kernel": kernel,
         "collectives": collectives if links else {},
+        "collective_seconds": {op: {w: cal.monotone(got[op]) for w, got in links.items()} for op in cal.COLLECTIVES}
+        if links else {},
         "sources": {
             "peak_tflops": f"{stamp}: the best forward GEMM throughput per dtype; fp8: "
                            + (compute["fp8_error"] or "torchao's float8 tensors (torch._scaled_mm), e4m3"),
@@ -267,6 +272,8 @@ def build_profile(device: torch.device, name: str, compute: dict[str, Any], link
                               "forward and backward, per operator run",
             "attention_kernel": f"{stamp}: SDPA dispatches to aten.{kernel_op}",
             "collectives": f"{stamp}: " + ("; ".join(notes) or "every --ranks size measured"),
+            "collective_seconds": f"{stamp}: the measurements the collectives' fits are fitted to, made "
+                                  "non-decreasing in the size (least squares)",
             "communication_overlap": f"{stamp}: " + (f"an asynchronous {cal.OVERLAP_BYTES // MIB} MiB all-reduce "
                                                      "under as long GEMMs on every rank (overlap_seconds)" if cpu
                                                      else "not measured: NCCL runs beside a GPU's compute"),
@@ -288,7 +295,8 @@ def build_profile(device: torch.device, name: str, compute: dict[str, Any], link
                                        "beyond their bytes (exp, tanh, erf: arithmetic, not memory)",
             "efficiency.link": "1: the collectives' fits are already what they reach",
             "collectives": "latency_us + bytes / gb_per_s, least squares on relative error, over each payload's "
-                           "median (of the slowest rank per repeat)",
+                           "mean time per call over repeats and ranks, each call after a few GEMMs of every "
+                           "rank's own, with a new result (as a training step pays it: waits and page faults)",
         },
         "measurements": {**compute, "collectives": links},
     }  # fmt: skip

@@ -54,6 +54,7 @@ from megatron_slapo.errors import ConfigError  # noqa: E402
 from megatron_slapo.estimates import hardware  # noqa: E402
 from megatron_slapo.estimates.estimate import RankEstimate, estimate  # noqa: E402
 from megatron_slapo.estimates.hardware import Hardware  # noqa: E402
+from megatron_slapo.estimates.layer_extrapolation import shallow_explain  # noqa: E402
 from megatron_slapo.estimates.time_model import Prediction, predict  # noqa: E402
 from megatron_slapo.training import error_report  # noqa: E402
 from megatron_slapo.training.plan import take_checkpoint_args  # noqa: E402
@@ -85,11 +86,17 @@ def explain(task: str, argv: list[str], world: int, attention: str | None = None
 
 
 def predicted(
-    task: str, argv: list[str], world: int, per_node: int, hw: Hardware
+    task: str, argv: list[str], world: int, per_node: int, hw: Hardware, shallow: bool = False
 ) -> tuple[list[RankEstimate], Prediction]:
     """The estimates of :func:`explain`, with the attention kernel ``hw``'s device runs, and the
-    time model's step on ``hw`` (``per_node`` ranks to a node)."""
-    estimates = explain(task, argv, world, attention=hw.attention_kernel)
+    time model's step on ``hw`` (``per_node`` ranks to a node). ``shallow``: from the run planned at
+    one and two layers a stage where that is exact (:mod:`~megatron_slapo.estimates.layer_extrapolation`:
+    the figures, not the schedule's text, which is the shallow run's), as the tuner ranks layouts."""
+
+    def plan(run: list[str]) -> list[RankEstimate]:
+        return explain(task, run, world, attention=hw.attention_kernel)
+
+    estimates = (shallow and shallow_explain(argv, plan)) or plan(argv)
     return estimates, predict(estimates, parse_args(task, argv), hw, world, per_node)
 
 

@@ -27,7 +27,7 @@ SDPA_FUNCTIONS = (torch._C._nn.scaled_dot_product_attention, F.scaled_dot_produc
 # are private ATen names (the fused attention kernels, FP8's scaled GEMM). torch 2.13.
 GEMM_OPS = {"mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution", "convolution_backward"}
 ATTENTION_OPS = ("_scaled_dot_product_", "_flash_attention", "_efficient_attention", "_cudnn_attention")  # prefixes
-FREE_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
+FREE_OPS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh", "_unsafe_view",
             "_local_scalar_dense", "set_", "resize_"}  # allocations and bookkeeping: no kernel's work  # fmt: skip
 
 

@@ -3,8 +3,9 @@
 What ``tools/calibrate.py`` runs (it assembles the profile :mod:`.hardware` reads). Each measurement
 times what the time model later predicts, as the trainer pays it: eager PyTorch calls from Python,
 one call after another, timed after a warm-up by the median of a few samples (on a GPU, each
-sample ends with a synchronisation). The fits minimise the squared *relative* error, so that a tiny
-operator counts as much as a large one:
+sample ends with a synchronisation); a collective by the mean of its calls, each after some compute
+of every rank's own and with a new result, as a step runs it (:func:`_timed`). The fits minimise
+the squared *relative* error, so that a tiny operator counts as much as a large one:
 
 - :func:`fit_gemm`: ``op_overhead + 2mnk / (peak * gemm_max * d / (d + gemm_half_dim))``, ``d`` the
   GEMM's smallest dimension: for each ``gemm_half_dim`` on a fine grid, ``1 / gemm_max`` is a
@@ -40,6 +41,8 @@ from megatron_slapo.kernels.fp8 import Fp8Recipe
 SAMPLES = 5  # timed samples per measurement, of which the median counts
 HELD_BYTES = 2**28  # results an elementwise measurement keeps alive at once (a step's activations)
 OVERLAP_BYTES = 2**24  # the overlap's all-reduce: long beside the scheduler's time slices (ms)
+STAGGER, STAGGER_DIM = 3, 256  # GEMMs of each rank's own before a timed collective, and their size
+KEPT = 8  # results of a collective kept alive at once
 CHAIN = 100  # operators in the chain that op_overhead times
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 _HOST, _RESULT = "127.0.0.1", "calibration_result"
@@ -219,12 +222,32 @@ def fit_gemm(samples: list[tuple[float, int, float, str]], overhead: float) -> t
     return gemm_max, half, float(np.sqrt(error / len(measured)))
 
 
+def monotone(points: list[list[float]]) -> list[list[float]]:
+    """``[[x, y], ...]`` (ascending ``x``) with ``y`` made non-decreasing by least squares (pooling
+    adjacent violators): a larger call takes no less time, and what says otherwise is noise (a
+    small call's wait for a rank the scheduler held back)."""
+    blocks: list[list[float]] = []  # [mean y, points pooled]
+    for _, y in points:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (y1, n1), (y2, n2) = blocks.pop(), blocks.pop()
+            blocks.append([(y1 * n1 + y2 * n2) / (n1 + n2), n1 + n2])
+    ys = [y for y, n in blocks for _ in range(int(n))]
+    return [[x, y] for (x, _), y in zip(points, ys, strict=True)]
+
+
 def fit_link(samples: list[tuple[int, float]]) -> tuple[float, float]:
     """``(latency_us, gb_per_s)`` of ``seconds = latency + bytes / bandwidth`` fitted to ``(bytes,
-    seconds)`` samples; a latency the fit puts below zero is zero, the bandwidth refitted alone."""
+    seconds)`` samples; a latency the fit puts below zero is zero, the bandwidth refitted alone;
+    times that do not grow with the bytes (noise over a few small sizes) give the bandwidth the
+    largest call had at least, the latency refitted alone."""
     size, measured = (np.array(column, dtype=float) for column in zip(*samples, strict=True))
     rows = np.stack([1 / measured, size / measured], axis=1)
     (latency, inverse), *_ = np.linalg.lstsq(rows, np.ones_like(measured), rcond=None)
+    if inverse <= 0:
+        largest = int(np.argmax(size))
+        inverse = measured[largest] / size[largest]
+        latency = np.sum(rows[:, 0] * (1 - inverse * rows[:, 1])) / np.sum(rows[:, 0] ** 2)
     if latency < 0:
         latency, inverse = 0.0, np.sum(rows[:, 1]) / np.sum(rows[:, 1] ** 2)
     return float(latency * 1e6), float(1 / inverse / 1e9)
@@ -237,14 +260,20 @@ def fit_efficiency(samples: list[tuple[float, float]], peak_flops: float) -> flo
     return float(np.dot(rate, rate) / np.sum(rate))
 
 
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> list[float]:
-    """Seconds of ``repeats`` calls of a collective, each started together on every rank (a
-    barrier) after one warm-up call."""
+def _timed(fn: Callable[[], object], device: torch.device, repeats: int, staggered: bool = True) -> list[float]:
+    """Seconds of each of ``repeats`` calls of a collective, after one warm-up call and a barrier.
+    ``staggered``: as a training step pays them, each call after a little compute of every rank's own
+    (:data:`STAGGER` GEMMs), so that the ranks arrive apart, as between a step's layers, and the
+    wait for the last one is part of the time (without it, every call starts together)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    work = torch.randn(STAGGER_DIM, STAGGER_DIM, device=device)
     fn()
     out = []
     for _ in range(repeats):
-        dist.barrier()
+        if not staggered or not out:
+            dist.barrier()
+        for _ in range(STAGGER if staggered else 0):
+            work @ work
         sync()
         start = time.perf_counter()
         fn()
@@ -256,19 +285,27 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> list
 def _collective_calls(nbytes: int, world: int, rank: int, device: torch.device) -> dict[str, Callable[[], object]]:
     """Each collective of :data:`COLLECTIVES` on a payload of ``nbytes`` as ``--log-comm`` counts it:
     the tensor (all-reduce, broadcast, send), the gathered output (all-gather), the input
-    (reduce-scatter, all-to-all). ``send``: every even rank sends to the next odd one at once."""
+    (reduce-scatter, all-to-all). ``send``: every even rank sends to the next odd one at once. As in
+    a step, a result is a new tensor, kept alive with the last :data:`KEPT` (on a CPU, memory the
+    allocator must fault in); an all-reduce and a broadcast work in place, as on a layer's output."""
     count = max(nbytes // 4 // world, 1) * world
-    whole, other, part = (torch.zeros(n, device=device) for n in (count, count, count // world))
+    whole, part = torch.zeros(count, device=device), torch.zeros(count // world, device=device)
+    kept: list[torch.Tensor] = []
     peer = rank ^ 1
+
+    def fresh(n: int) -> torch.Tensor:
+        kept.append(torch.empty(n, device=device))
+        del kept[:-KEPT]
+        return kept[-1]
 
     def send() -> None:
         if peer < world:
-            (dist.send if rank % 2 == 0 else dist.recv)(whole, peer)
+            dist.send(whole, peer) if rank % 2 == 0 else dist.recv(fresh(count), peer)
 
-    return {"all_reduce": lambda: dist.all_reduce(whole), "all_gather": lambda: _ALL_GATHER(whole, part),
-            "reduce_scatter": lambda: _REDUCE_SCATTER(part, whole),
-            "all_to_all": lambda: dist.all_to_all_single(other, whole), "broadcast": lambda: dist.broadcast(whole, 0),
-            "send": send}  # fmt: skip
+    return {"all_reduce": lambda: dist.all_reduce(whole), "all_gather": lambda: _ALL_GATHER(fresh(count), part),
+            "reduce_scatter": lambda: _REDUCE_SCATTER(fresh(count // world), whole),
+            "all_to_all": lambda: dist.all_to_all_single(fresh(count), whole),
+            "broadcast": lambda: dist.broadcast(whole, 0), "send": send}  # fmt: skip
 
 
 def _overlap_samples(device: torch.device, repeats: int) -> dict[str, list[float]]:
@@ -276,8 +313,10 @@ def _overlap_samples(device: torch.device, repeats: int) -> dict[str, list[float
     alone, and of the all-reduce started asynchronously while the same GEMMs run (then awaited); the
     three taken in turn, repeat after repeat, so that a load from elsewhere weighs on each alike."""
     payload, a = torch.zeros(OVERLAP_BYTES // 4, device=device), torch.randn(256, 256, device=device)
-    reduce_alone = statistics.median(_timed(lambda: dist.all_reduce(payload), device, repeats))
-    count = torch.tensor([max(1, round(reduce_alone / min(_timed(lambda: a @ a, device, repeats))))], device=device)
+    reduce_alone = statistics.median(_timed(lambda: dist.all_reduce(payload), device, repeats, False))
+    count = torch.tensor(
+        [max(1, round(reduce_alone / min(_timed(lambda: a @ a, device, repeats, False))))], device=device
+    )
     dist.all_reduce(count, op=dist.ReduceOp.MAX)  # the same GEMMs on every rank
 
     def gemms() -> None:
@@ -293,14 +332,16 @@ def _overlap_samples(device: torch.device, repeats: int) -> dict[str, list[float
     out: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
-            out[name] += _timed(call, device, 1)
+            out[name] += _timed(call, device, 1, False)
     return out
 
 
 def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: list[int], repeats: int,
                        overlap: bool) -> None:  # fmt: skip
-    """One rank of :func:`measure_collectives`: times every collective at every size, takes each
-    repeat's slowest rank, and rank 0 leaves the medians in the store as JSON."""
+    """One rank of :func:`measure_collectives`: times every collective at every size, and rank 0
+    leaves in the store, as JSON, what a step pays for each: the mean over repeats and ranks (a
+    step sums its collectives, the slow ones with the rest; each rank's time includes its wait for
+    the others); and for the overlap's samples, each repeat's slowest rank's median."""
     torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
@@ -314,11 +355,20 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: li
                 samples[f"{name} {nbytes}"] = _timed(call, device, repeats)
         if overlap:
             samples.update({f"overlap {k}": v for k, v in _overlap_samples(device, repeats).items()})
-        slowest = torch.tensor([t for v in samples.values() for t in v], dtype=torch.float64, device=device)
+        times = torch.tensor([t for v in samples.values() for t in v], dtype=torch.float64, device=device)
+        slowest = times.clone()
+        dist.all_reduce(times)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        medians = [statistics.median(row) for row in slowest.view(len(samples), repeats).tolist()]
+        rows = zip(
+            samples,
+            (times / world).view(len(samples), -1).tolist(),
+            slowest.view(len(samples), -1).tolist(),
+            strict=True,
+        )
+        result = {name: statistics.median(worst) if name.startswith("overlap") else statistics.mean(mean)
+                   for name, mean, worst in rows}  # fmt: skip
         if rank == 0:
-            store.set(_RESULT, json.dumps(dict(zip(samples, medians, strict=True))))
+            store.set(_RESULT, json.dumps(result))
     finally:
         dist.destroy_process_group()
 
@@ -326,15 +376,16 @@ def _collective_worker(rank: int, world: int, port: int, backend: str, sizes: li
 def measure_collectives(world: int, backend: str, sizes: list[int], repeats: int,
                         overlap: bool = False) -> dict[str, object]:  # fmt: skip
     """Spawn ``world`` ranks on this machine and time each of :data:`COLLECTIVES` on payloads of
-    ``sizes`` bytes: ``{collective: [[bytes, seconds], ...]}``, and with ``overlap`` (gloo) the share
+    ``sizes`` bytes, as a step pays them (:func:`_timed`, staggered):
+    ``{collective: [[bytes, seconds], ...]}``, and with ``overlap`` (gloo) the share
     of an all-reduce that hides under GEMMs, ``(alone + alone - together) / the shorter``, in [0, 1],
     under ``"overlap"`` with its medians under ``"overlap_seconds"``."""
     store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)  # port 0: the OS picks a free one
     mp.spawn(_collective_worker, args=(world, store.port, backend, sizes, repeats, overlap), nprocs=world)
-    medians = json.loads(store.get(_RESULT))
-    out: dict[str, object] = {name: [[n, medians[f"{name} {n}"]] for n in sizes] for name in COLLECTIVES}
+    result = json.loads(store.get(_RESULT))
+    out: dict[str, object] = {name: [[n, result[f"{name} {n}"]] for n in sizes] for name in COLLECTIVES}
     if overlap:
-        alone = {k: medians[f"overlap {k}"] for k in ("all_reduce", "gemms", "both")}
+        alone = {k: result[f"overlap {k}"] for k in ("all_reduce", "gemms", "both")}
         hidden = (alone["all_reduce"] + alone["gemms"] - alone["both"]) / min(alone["all_reduce"], alone["gemms"])
         out["overlap"], out["overlap_seconds"] = min(max(hidden, 0.0), 1.0), alone
     return out

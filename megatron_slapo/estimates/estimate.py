@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 import megatron_slapo as ms
 from megatron_slapo import parallel
+from megatron_slapo.arguments.validation import validate_args
 from megatron_slapo.engines.base import adamw_state
 from megatron_slapo.engines.deepspeed_zero import deepspeed_config, zero_state
 from megatron_slapo.engines.megatron_memory import megatron_state
@@ -60,7 +61,7 @@ from megatron_slapo.models.layers import transformer_layers
 from megatron_slapo.parallel.comm_log import group_names
 from megatron_slapo.parallel.state import Layout
 from megatron_slapo.pipeline import PipelineStages
-from megatron_slapo.training.plan import Plan, prepare, start_groups
+from megatron_slapo.training.plan import Plan, prepare, start_groups, take_checkpoint_args
 
 DEEPSPEED_MAX_LIVE = 10**9  # DeepSpeed's stage3_max_live_parameters / max_reuse_distance defaults
 DEEPSPEED_PERSISTENT = 10**5  # its stage3_param_persistence_threshold default
@@ -259,7 +260,28 @@ class _Measured:
     schedule: str  # Schedule.explain(), before the build
 
 
-_last: _Measured | None = None  # the last plan measured, for the next rank of the same run
+PLANS_KEPT = 3  # plans kept for the next ranks of the same runs (the tuner's shallow pairs: layer_extrapolation)
+_plans: dict[tuple, _Measured] = {}  # estimate()'s key -> its plan, the last used last
+# flags (with how many values each takes) that choose only how the engine keeps the weights' state:
+# Megatron's distributed optimizer, DeepSpeed's ZeRO stages. The model and its pass are the same.
+STATE_FLAGS = {"--use-distributed-optimizer": 0, "--zero-stage": 1, "--engine": 1}
+STATE_ENGINES = ("megatron", "deepspeed")
+
+
+def model_argv(argv: list[str]) -> tuple[str, ...]:
+    """``argv`` without :data:`STATE_FLAGS` (an ``--engine`` only where it names one of
+    :data:`STATE_ENGINES`): what the model, its schedule and its meta pass depend on."""
+    out, i = [], 0
+    while i < len(argv):
+        flag, equals, inline = argv[i].partition("=")
+        width = STATE_FLAGS.get(flag)
+        value = inline if equals else (argv[i + 1] if width and i + 1 < len(argv) else "")
+        if width is None or (flag == "--engine" and value not in STATE_ENGINES):
+            out.append(argv[i])
+            i += 1
+        else:
+            i += 1 if equals else 1 + width
+    return tuple(out)
 
 
 def _place() -> tuple[int, ...]:
@@ -280,21 +302,28 @@ def estimate(task: str, argv: list[str], world: int, rank: int, attention: str |
 
     Ranks that differ only in their pipeline rank build the same model, and the meta pass runs every
     stage of it: asked for one after another (explain asks for each stage's first rank), the later
-    ranks read their own stages of the last one's plan and pass, which are not made again."""
-    global _last
+    ranks read their own stages of a kept plan and pass (:data:`PLANS_KEPT`), not made again. So do
+    runs that differ only in :data:`STATE_FLAGS` (the tuner's ZeRO stages): each is validated, and
+    its engine's bytes and collectives counted, as its own."""
     from megatron_slapo.arguments.parser import parse_args
 
-    key = (task, tuple(argv), world, attention)
+    key = (task, model_argv(argv), world, attention)
+    args = parse_args(task, argv)
     try:  # the fake group goes, whatever happens (an error is then reported as a plain process's)
-        if _last is not None and _last.key == key:
-            start_groups(_last.plan.args, world, rank)  # as the plan laid it out, at this rank
-        if _last is None or _last.key != key or _place() != _last.place:
-            _last = None  # the last model goes before the next is built
-            args = parse_args(task, argv)
+        measured = _plans.pop(key, None)
+        if measured is not None:
+            take_checkpoint_args(args)  # as prepare() checks a run before planning it
+            validate_args(args, world)
+            start_groups(measured.plan.args, world, rank)  # as the plan laid it out, at this rank
+        if measured is None or _place() != measured.place:
+            measured = None  # the last model goes before the next is built
             with contextlib.redirect_stdout(io.StringIO()):  # the trainer's start-up lines: not the report
                 plan = prepare(args, world, simulate_rank=rank)
-            _last = _measure(plan, key, attention)
-        return _estimate(_last, Layout.current(), rank)
+            measured = _measure(plan, key, attention)
+        _plans[key] = measured
+        while len(_plans) > PLANS_KEPT:
+            _plans.pop(next(iter(_plans)))
+        return _estimate(measured, Layout.current(), rank, args)
     finally:
         parallel.destroy()
 
@@ -310,10 +339,11 @@ def _measure(plan: Plan, key: tuple, attention: str | None) -> _Measured:
     return _Measured(key, _place(), plan, model, meter, crossing, traffic, text)
 
 
-def _estimate(measured: _Measured, layout: Layout, rank: int) -> RankEstimate:
-    """Rank ``rank``'s estimate (of ``layout``'s place) from its stages of ``measured``."""
+def _estimate(measured: _Measured, layout: Layout, rank: int, args: argparse.Namespace) -> RankEstimate:
+    """Rank ``rank``'s estimate (of ``layout``'s place) from its stages of ``measured``, for a run
+    of ``args`` (which may differ from the plan's in :data:`STATE_FLAGS`)."""
     plan, model, meter, crossing = measured.plan, measured.model, measured.meter, measured.crossing
-    args, half, text = plan.args, half_precision(plan.args), measured.schedule
+    half, text = half_precision(args), measured.schedule
     dp, pp = args.data_parallel_size, layout.pp_size
     micro = args.global_batch_size // (args.micro_batch_size * dp)
     copies = weight_replicas(args)  # the data-parallel ranks, times the context-parallel ones: the weights' copies

@@ -23,8 +23,11 @@ that ``tools/calibrate.py`` measured on the machine it ran on. Its fields:
   and the logsumexp are kept, as explain then counts);
 - ``elementwise_gelem_per_s`` (optional, from calibration): elements per second an elementwise
   operator spends arithmetic on beyond its bytes (a CPU's exp or tanh), none on a GPU;
-- ``collectives`` (optional, from calibration): measured ``[latency_us, gb_per_s]`` per collective
-  and group size, used in place of the link's formula where present.
+- ``collectives`` (optional, from calibration): fitted ``[latency_us, gb_per_s]`` per collective
+  and group size, used in place of the link's formula where present;
+- ``collective_seconds`` (optional, from calibration): the measured ``[[bytes, seconds], ...]`` of
+  one call per collective and group size, which the time model interpolates, in place of both (on
+  a CPU a call's time is no line in its size: new memory beyond some size is page faults).
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class Hardware:
     attention_kernel: str
     compute_units: int | None = None
     collectives: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    collective_seconds: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     elementwise_gelem_per_s: float | None = None
     source: str = ""  # the file it came from
 
@@ -134,6 +138,6 @@ def load(name_or_path: str) -> Hardware:
         scale_out=link(data["scale_out"]), efficiency={k: float(v) for k, v in data["efficiency"].items()},
         op_overhead_us=float(data["op_overhead_us"]), communication_overlap=float(data["communication_overlap"]),
         attention_kernel=data["attention_kernel"], compute_units=data.get("compute_units"),
-        collectives=data.get("collectives", {}), source=str(path),
-        elementwise_gelem_per_s=data.get("elementwise_gelem_per_s"),
+        collectives=data.get("collectives", {}), collective_seconds=data.get("collective_seconds", {}),
+        elementwise_gelem_per_s=data.get("elementwise_gelem_per_s"), source=str(path),
     )  # fmt: skip

@@ -17,8 +17,9 @@ bytes, calls and the ranks of its group) and prices it with a
 - **collectives**: ``latency x steps + bytes on the wire / bandwidth``, the ring algorithm's
   steps and bytes for the group's size, over the scale-up link when the group's ranks (the
   trainer's own rank order, read from the groups megatron-core made) share a node, else the
-  scale-out link; a calibrated profile's measured ``[latency, bandwidth]`` for that collective and
-  group size replaces the formula.
+  scale-out link; a calibrated profile's measured seconds per call of that collective and group
+  size (``collective_seconds``, interpolated at the call's size), else its fitted ``[latency,
+  bandwidth]``, replaces the formula.
 - **overlap**: the engines' data-parallel traffic hides under compute as the engine runs it
   (torch DDP's buckets and ``--overlap-grad-reduce`` under the last micro-batch's backward; FSDP's
   and ZeRO-3's gathers under the whole step, their reduce-scatters under the last backward), times
@@ -37,6 +38,7 @@ The step time is the slowest rank's. Model FLOPs are forward and backward withou
 from __future__ import annotations
 
 import argparse
+import bisect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -111,6 +113,9 @@ def collective_time(op: str, payload: int, calls: int, ranks: list[int], hw: Har
     kind, n = _KINDS.get(op), len(ranks)
     if kind is None or n < 2:  # a receive is the other end of a send, priced there
         return 0.0
+    points = hw.collective_seconds.get(kind, {}).get(str(n))
+    if points:  # measured call by call: the time of a call of this size, between the sizes measured
+        return calls * interpolated(points, payload / max(calls, 1))
     measured = hw.collectives.get(kind, {}).get(str(n))
     if measured:
         latency_us, gb_per_s = measured
@@ -118,6 +123,17 @@ def collective_time(op: str, payload: int, calls: int, ranks: list[int], hw: Har
     link: Link = hw.scale_out if len({r // per_node for r in ranks}) > 1 else hw.scale_up
     wire, steps = _ring(kind, n)
     return calls * steps * link.latency_us * 1e-6 + wire * payload / (link.gb_per_s * 1e9 * hw.efficiency["link"])
+
+
+def interpolated(points: list[list[float]], x: float) -> float:
+    """``y`` at ``x`` on the polyline through ``points`` (``[[x, y], ...]``, ascending ``x``), the end
+    segments extended beyond them (no lower than the nearest point)."""
+    if len(points) == 1:
+        return points[0][1]
+    i = min(max(bisect.bisect_left([p[0] for p in points], x), 1), len(points) - 1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return max(y, min(y0, y1)) if x < x0 else y
 
 
 def _overlap_window(key: str, args: argparse.Namespace, zero: int | None) -> str | None:
