@@ -10,6 +10,7 @@ import json
 
 import pytest
 
+from megatron_slapo.errors import ConfigError
 from megatron_slapo.estimates import estimate as planner
 from megatron_slapo.estimates.estimate import model_argv
 from megatron_slapo.estimates.layer_extrapolation import shallow_explain
@@ -97,6 +98,13 @@ def test_shallow_plans_whose_growth_differs_by_rank_are_planned_whole():
         shallow_explain([*GPT, "--num-layers", "6", "--pipeline-model-parallel-size", "2"], lambda _: next(calls))
         is None
     )
+
+
+def test_a_shallow_run_refused_leaves_the_run_to_be_planned_whole():
+    def refused(_argv):
+        raise ConfigError("a rule on the depth")
+
+    assert shallow_explain([*GPT, "--num-layers", "6", "--pipeline-model-parallel-size", "2"], refused) is None
 
 
 ZERO = [[], ["--use-distributed-optimizer"], ["--engine", "deepspeed", "--zero-stage", "2"],

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from megatron_slapo.checkpoints.checkpoint_files import LATEST
+from megatron_slapo.errors import ConfigError
 from megatron_slapo.estimates.estimate import RankEstimate
 
 Planner = Callable[[list[str]], list[RankEstimate]]  # argv -> each pipeline stage's first rank's estimate
@@ -66,7 +68,7 @@ def _hf_config(argv: list[str]) -> dict[str, Any] | None:
     per-layer list), else None."""
     source = _value(argv, "--hf-config")
     path = Path(source or "", "config.json")
-    if not source or not path.is_file() or (path.parent / "latest_checkpointed_iteration.txt").exists():
+    if not source or not path.is_file() or (path.parent / LATEST).exists():  # a checkpoint's: planned whole
         return None
     config = json.loads(path.read_text())
     layers = config.get("num_hidden_layers")
@@ -138,7 +140,8 @@ def _plain_recompute(argv: list[str]) -> bool:
 
 def shallow_explain(argv: list[str], plan: Planner) -> list[RankEstimate] | None:
     """``plan(argv)``'s estimates, from the run planned at one and two layers a stage and extended
-    (see the module docstring), or None where that would not be exact (then plan it whole)."""
+    (see the module docstring), or None where that would not be exact, or a shallow run is refused
+    (then plan it whole: it is refused, if at all, as itself)."""
     layers, config = _depth(argv)
     pp = int(_value(argv, "--pipeline-model-parallel-size") or 1)
     per_virtual = _value(argv, "--num-layers-per-virtual-pipeline-stage")
@@ -156,8 +159,8 @@ def shallow_explain(argv: list[str], plan: Planner) -> list[RankEstimate] | None
             shallow_argv = _replaced(shallow_argv, "--num-layers-per-virtual-pipeline-stage", str(n))
         return plan(shallow_argv)
 
-    one, two, n = shallow(1), shallow(2), layers // stages
     try:
+        one, two, n = shallow(1), shallow(2), layers // stages
         if pp > 1 and len({repr(_growth(a, b)) for a, b in zip(one, two, strict=True)}) > 1:
             return None  # the ranks' added layers cost differently: layers unlike
         if pp == 1:
@@ -167,5 +170,5 @@ def shallow_explain(argv: list[str], plan: Planner) -> list[RankEstimate] | None
                                                                       for e in three]:  # fmt: skip
                 return None
         return [_extend(a, b, n) for a, b in zip(one, two, strict=True)]
-    except _NotAlike:
+    except (_NotAlike, ConfigError):  # a shallow run refused (a rule on the depth): the whole run says
         return None
