@@ -47,24 +47,6 @@ def test_ranking_plans_recompute_only_where_the_cheaper_does_not_fit():
     ]
 
 
-def test_a_point_over_memory_rules_out_larger_micro_batches_unplanned():
-    space = Space()
-    space.symbol("mbs", [4, 1, 2])
-    space.symbol("recompute", ["none", "full"])
-    planned = []
-
-    def plan(flags):
-        planned.append(flags)
-        mbs, recompute = int(flags[0]), flags[1]
-        return mbs * (10 if recompute == "none" else 4), 0, _Prediction(mbs + (recompute == "full"))
-
-    ranked = rank_points(space, lambda p: [str(p["mbs"]), p["recompute"]], plan, budget=15)
-    assert planned == [["1", "none"], ["2", "none"], ["2", "full"], ["4", "full"]]
-    assert [(p.point["mbs"], p.point["recompute"]) for p in ranked if p.prediction] == [(1, "none"), (2, "full")]
-    inferred = [p.why for p in ranked if p.point == {"mbs": 4, "recompute": "none"}]
-    assert inferred == ["over memory: rank 0 needs 0.0 GiB with micro-batch 2"]
-
-
 def _autotune(*flags):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "tools/autotune.py", *flags]

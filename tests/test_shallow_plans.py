@@ -73,6 +73,11 @@ def test_a_model_whose_config_lists_its_layers_is_planned_whole(tmp_path):
     assert shallow is not None
     assert _figures(shallow) == _figures(_whole([*run, "--hf-config", str(plain)]))
     assert shallow_explain([*run, "--hf-config", str(uneven)], _plan) is None
+    for other in ({"model_type": "deepseek_v3"}, {"model_type": "qwen3", "use_sliding_window": True}):
+        folder = tmp_path / other["model_type"]  # unlike layers a scalar decides (dense first, sliding some)
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**config, **other}))
+        assert shallow_explain([*run, "--hf-config", str(folder)], lambda _: pytest.fail("planned whole")) is None
 
 
 @pytest.mark.parametrize(
@@ -80,11 +85,16 @@ def test_a_model_whose_config_lists_its_layers_is_planned_whole(tmp_path):
     [
         ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "1"],
         ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
-        ["--decoder-first-pipeline-num-layers", "2"],
+        ["--num-layers-per-virtual-pipeline-stage", "3"],
+        ["--engine", "deepspeed", "--zero-stage", "3"],
+        ["--checkpoint-ratio", "0.5"],
+        ["--model-type", "qwen3_moe", "--num-experts", "4"],
+        ["--pipeline-model-parallel-size=x"],
     ],
-    ids=["block-recompute", "uniform-2-layers", "uneven-first-stage"],
-)
-def test_runs_whose_stages_do_not_grow_by_whole_layers_are_planned_whole(extra):
+    ids=["block-recompute", "uniform-2-layers", "virtual-stages-not-dividing", "zero3", "checkpoint-ratio",
+         "moe-family", "bad-flag"],
+)  # fmt: skip
+def test_runs_whose_figures_do_not_grow_by_whole_layers_are_planned_whole(extra):
     argv = [*GPT, "--num-layers", "8", "--pipeline-model-parallel-size", "2", *extra]
     assert shallow_explain(argv, lambda _: pytest.fail("nothing is planned")) is None
 

@@ -81,12 +81,14 @@ def test_a_collective_crossing_nodes_takes_the_slower_link():
     # measured call by call: two calls of 3 MiB each read between the 2 and 4 MiB measurements
     per_call = replace(measured, collective_seconds={"all_reduce": {"8": [[2**21, 1e-3], [2**22, 3e-3]]}})
     assert collective_time("all_reduce", 3 * 2**21, 2, list(range(8)), per_call, 8) == pytest.approx(2 * 2e-3)
+    spanning = collective_time("all_reduce", 2**30, 1, list(range(0, 64, 8)), per_call, 8)
+    assert spanning == pytest.approx(across), "a calibration measures one machine: across nodes, the link's formula"
 
 
 def test_measured_times_are_read_between_and_beyond_the_sizes_measured():
     points = [[1.0, 10.0], [3.0, 30.0], [5.0, 40.0]]
-    assert [interpolated(points, x) for x in (2.0, 4.0, 7.0, 0.0, 0.5)] == [20.0, 35.0, 50.0, 10.0, 10.0]
-    assert interpolated([[1.0, 2.0]], 9.0) == 2.0
+    assert [interpolated(points, x) for x in (2.0, 4.0, 7.0, 0.0, 0.5)] == [20.0, 35.0, 56.0, 10.0, 10.0]
+    assert interpolated([[1.0, 2.0]], 9.0) == 18.0
 
 
 def test_tensor_parallelism_across_nodes_is_predicted_slower(tmp_path):

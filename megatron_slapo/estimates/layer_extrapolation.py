@@ -10,11 +10,14 @@ on 64 ranks plans in about 3 s so, 7 s whole.
 
 Where the layers are not alike (DeepSeek's dense first layers, sliding and global attention in
 turn, an MoE layer every other one), the extension would be wrong, and the run is planned whole.
-Such layers show as pipeline ranks whose added layer costs differ (each rank's ``E(2) - E(1)``), or,
-with one pipeline rank, as a third plan (``n = 3``) off the line. Runs whose stages do not grow by
-whole layers are planned whole too: ``--recompute-method block``, ``--recompute-num-layers`` above
-1, ``--checkpoint-ratio``, uneven first or last stages, a model whose depth no flag or plain HF
-config directory gives.
+Only the families whose layers are alike whatever their config (:data:`ALIKE`) are extended, and
+only from a config that lists no layers one by one; as a check, the pipeline ranks' added layers
+must cost the same (each rank's ``E(2) - E(1)``), and with one pipeline rank a third plan
+(``n = 3``) must lie on the line. Runs whose figures do not grow by whole layers are planned whole
+too: ``--recompute-method block``, ``--recompute-num-layers`` above 1, ``--checkpoint-ratio``,
+virtual stages that do not divide the layers, DeepSpeed's ZeRO-3 (its live-parameter limit caps
+what it gathers), a model whose depth no flag or plain HF config directory gives, or a run loaded
+from a checkpoint.
 """
 
 from __future__ import annotations
@@ -32,8 +35,10 @@ from megatron_slapo.errors import ConfigError
 from megatron_slapo.estimates.estimate import RankEstimate
 
 Planner = Callable[[list[str]], list[RankEstimate]]  # argv -> each pipeline stage's first rank's estimate
-UNEVEN = ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--checkpoint-ratio",
-          "--load", "--load-hf")  # fmt: skip
+WHOLE = ("--checkpoint-ratio", "--load", "--load-hf", "--deepspeed-config")  # flags whose runs are planned whole
+# model types whose layers are all alike, whatever their config: their transformers classes build
+# one layer class, one shape (an MoE family's dense or sparse layers, a sliding window: not here)
+ALIKE = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "opt", "gpt_neox", "phi3", "gemma", "bert", "roberta")
 _configs = tempfile.TemporaryDirectory(prefix="slapo-shallow-")  # the shallow HF configs, for this process
 
 
@@ -70,9 +75,14 @@ def _hf_config(argv: list[str]) -> dict[str, Any] | None:
     path = Path(source or "", "config.json")
     if not source or not path.is_file() or (path.parent / LATEST).exists():  # a checkpoint's: planned whole
         return None
-    config = json.loads(path.read_text())
-    layers = config.get("num_hidden_layers")
-    if not isinstance(layers, int) or any(isinstance(v, list) and len(v) == layers for v in config.values()):
+    try:
+        config = json.loads(path.read_text())
+    except ValueError:  # the run refuses it, as itself
+        return None
+    layers = config.get("num_hidden_layers") if isinstance(config, dict) else None
+    if not isinstance(layers, int) or config.get("model_type") not in ALIKE or config.get("use_sliding_window"):
+        return None  # (Qwen's sliding window: on some layers only)
+    if any(isinstance(v, list) and len(v) == layers for v in config.values()):
         return None
     return config
 
@@ -84,7 +94,9 @@ def _depth(argv: list[str]) -> tuple[int, dict[str, Any] | None]:
     if config is not None:
         return config["num_hidden_layers"], config
     layers = _value(argv, "--num-layers")
-    return (int(layers), None) if layers and _value(argv, "--hf-config") is None else (0, None)
+    alike = (_value(argv, "--model-type") or "gpt2") in ALIKE  # the flags shape a model of that type
+    given = layers and layers.isdigit() and _value(argv, "--hf-config") is None
+    return (int(layers), None) if given and alike else (0, None)
 
 
 def _with_layers(argv: list[str], config: dict[str, Any] | None, layers: int) -> list[str]:
@@ -143,14 +155,18 @@ def shallow_explain(argv: list[str], plan: Planner) -> list[RankEstimate] | None
     (see the module docstring), or None where that would not be exact, or a shallow run is refused
     (then plan it whole: it is refused, if at all, as itself)."""
     layers, config = _depth(argv)
-    pp = int(_value(argv, "--pipeline-model-parallel-size") or 1)
-    per_virtual = _value(argv, "--num-layers-per-virtual-pipeline-stage")
-    chunks = layers // (pp * int(per_virtual)) if per_virtual and layers % (pp * int(per_virtual)) == 0 else 1
-    stages = pp * chunks
-    enough = 4 if pp == 1 else 3  # layers a stage from which the shallow plans are fewer (one rank: three plans)
-    if layers == 0 or layers % stages or layers // stages < enough or any(_value(argv, f) for f in UNEVEN):
+    try:
+        pp = int(_value(argv, "--pipeline-model-parallel-size") or 1)
+        per_virtual = int(_value(argv, "--num-layers-per-virtual-pipeline-stage") or 0)
+    except ValueError:  # the run refuses it, as itself
         return None
-    if not _plain_recompute(argv):
+    if layers <= 0 or pp <= 0 or per_virtual < 0 or (per_virtual and layers % (pp * per_virtual)):
+        return None
+    stages = pp * (layers // (pp * per_virtual) if per_virtual else 1)
+    enough = 4 if pp == 1 else 3  # layers a stage from which the shallow plans are fewer (one rank: three plans)
+    if layers % stages or layers // stages < enough or any(_value(argv, f) for f in WHOLE):
+        return None
+    if not _plain_recompute(argv) or _value(argv, "--zero-stage") == "3":
         return None
 
     def shallow(n: int) -> list[RankEstimate]:

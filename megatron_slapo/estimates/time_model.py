@@ -17,9 +17,9 @@ bytes, calls and the ranks of its group) and prices it with a
 - **collectives**: ``latency x steps + bytes on the wire / bandwidth``, the ring algorithm's
   steps and bytes for the group's size, over the scale-up link when the group's ranks (the
   trainer's own rank order, read from the groups megatron-core made) share a node, else the
-  scale-out link; a calibrated profile's measured seconds per call of that collective and group
-  size (``collective_seconds``, interpolated at the call's size), else its fitted ``[latency,
-  bandwidth]``, replaces the formula.
+  scale-out link; within a node, a calibrated profile's measured seconds per call of that
+  collective and group size (``collective_seconds``, interpolated at the call's size), else its
+  fitted ``[latency, bandwidth]``, replaces the formula (a calibration measures one machine).
 - **overlap**: the engines' data-parallel traffic hides under compute as the engine runs it
   (torch DDP's buckets and ``--overlap-grad-reduce`` under the last micro-batch's backward; FSDP's
   and ZeRO-3's gathers under the whole step, their reduce-scatters under the last backward), times
@@ -113,27 +113,31 @@ def collective_time(op: str, payload: int, calls: int, ranks: list[int], hw: Har
     kind, n = _KINDS.get(op), len(ranks)
     if kind is None or n < 2:  # a receive is the other end of a send, priced there
         return 0.0
-    points = hw.collective_seconds.get(kind, {}).get(str(n))
+    across = len({r // per_node for r in ranks}) > 1
+    points = None if across else hw.collective_seconds.get(kind, {}).get(str(n))  # measured within a machine
     if points:  # measured call by call: the time of a call of this size, between the sizes measured
         return calls * interpolated(points, payload / max(calls, 1))
-    measured = hw.collectives.get(kind, {}).get(str(n))
+    measured = None if across else hw.collectives.get(kind, {}).get(str(n))
     if measured:
         latency_us, gb_per_s = measured
         return calls * latency_us * 1e-6 + payload / (gb_per_s * 1e9)
-    link: Link = hw.scale_out if len({r // per_node for r in ranks}) > 1 else hw.scale_up
+    link: Link = hw.scale_out if across else hw.scale_up
     wire, steps = _ring(kind, n)
     return calls * steps * link.latency_us * 1e-6 + wire * payload / (link.gb_per_s * 1e9 * hw.efficiency["link"])
 
 
 def interpolated(points: list[list[float]], x: float) -> float:
-    """``y`` at ``x`` on the polyline through ``points`` (``[[x, y], ...]``, ascending ``x``), the end
-    segments extended beyond them (no lower than the nearest point)."""
-    if len(points) == 1:
+    """``y`` at ``x`` on the polyline through ``points`` (``[[x, y], ...]``, ascending ``x``): below
+    them the first point's ``y``, beyond them the last one's scaled with ``x`` (a call larger than
+    any measured moves its bytes at no more than the largest one's bandwidth)."""
+    xs = [p[0] for p in points]
+    if x <= xs[0]:
         return points[0][1]
-    i = min(max(bisect.bisect_left([p[0] for p in points], x), 1), len(points) - 1)
+    if x >= xs[-1]:
+        return points[-1][1] * x / xs[-1]
+    i = bisect.bisect_left(xs, x)
     (x0, y0), (x1, y1) = points[i - 1], points[i]
-    y = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return max(y, min(y0, y1)) if x < x0 else y
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def _overlap_window(key: str, args: argparse.Namespace, zero: int | None) -> str | None:

@@ -5,9 +5,7 @@ does (:mod:`megatron_slapo.estimates.estimate`, with the attention kernel the pr
 and prices it with the time model (:mod:`megatron_slapo.estimates.time_model`): no trial, no
 device. Points whose slowest rank needs more memory than the budget are dropped with their bytes.
 Recomputation only adds time in the model, so of the points that differ only in it, the cheaper
-one is planned first and the dearer ones only where it did not fit. A larger micro-batch holds no
-less (its activations grow, and 1F1B holds as many micro-batches or as many samples), so a point
-over memory rules out the same point with a larger one, unplanned. ``--trials K`` then runs the
+one is planned first and the dearer ones only where it did not fit. ``--trials K`` then runs the
 K best as real trials and reports predicted against measured for each.
 """
 
@@ -51,24 +49,16 @@ def rank_points(space: Space, flags_of: Callable[[Point], list[str]],
     """Every point predicted (or refused, or over the ``budget`` bytes), fastest first. ``plan``
     returns the largest peak of a point's ranks, that rank, and the prediction."""
     out: list[Predicted] = []
-    over: dict[tuple, tuple[int, str]] = {}  # the point but its micro-batch -> the smallest over memory, why
-    for points in sorted(_by_recompute(space), key=lambda group: group[0].get("mbs", 1)):
+    for points in _by_recompute(space):
         for point in points:
             flags = flags_of(point)
-            rest = tuple((k, v) for k, v in point.items() if k != "mbs")
-            smaller = over.get(rest)
-            if smaller and point.get("mbs", 1) >= smaller[0]:
-                out.append(Predicted(point, flags, why=f"{smaller[1]} with micro-batch {smaller[0]}"))
-                continue
             try:
                 peak, rank, prediction = plan(flags)
             except ConfigError as e:
                 out.append(Predicted(point, flags, why=f"refused: {e}"))
                 break  # recomputing does not make a refused layout acceptable
             if peak > budget:
-                why = f"over memory: rank {rank} needs {peak / 2**30:,.1f} GiB"
-                out.append(Predicted(point, flags, why=why))
-                over.setdefault(rest, (point.get("mbs", 1), why))
+                out.append(Predicted(point, flags, why=f"over memory: rank {rank} needs {peak / 2**30:,.1f} GiB"))
                 continue
             out.append(Predicted(point, flags, prediction))
             break
