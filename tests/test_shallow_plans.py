@@ -111,10 +111,14 @@ def test_shallow_plans_whose_growth_differs_by_rank_are_planned_whole():
 
 
 def test_a_shallow_run_refused_leaves_the_run_to_be_planned_whole():
-    def refused(_argv):
+    asked = []
+
+    def refused(argv):
+        asked.append(argv)
         raise ConfigError("a rule on the depth")
 
     assert shallow_explain([*GPT, "--num-layers", "6", "--pipeline-model-parallel-size", "2"], refused) is None
+    assert len(asked) == 1, "the shallow plan was asked for, and its refusal caught"
 
 
 ZERO = [[], ["--use-distributed-optimizer"], ["--engine", "deepspeed", "--zero-stage", "2"],

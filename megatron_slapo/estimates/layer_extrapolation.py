@@ -38,7 +38,7 @@ Planner = Callable[[list[str]], list[RankEstimate]]  # argv -> each pipeline sta
 WHOLE = ("--checkpoint-ratio", "--load", "--load-hf", "--deepspeed-config")  # flags whose runs are planned whole
 # model types whose layers are all alike, whatever their config: their transformers classes build
 # one layer class, one shape (an MoE family's dense or sparse layers, a sliding window: not here)
-ALIKE = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "opt", "gpt_neox", "phi3", "gemma", "bert", "roberta")
+ALIKE = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "opt", "gpt_neox", "phi3", "gemma")
 _configs = tempfile.TemporaryDirectory(prefix="slapo-shallow-")  # the shallow HF configs, for this process
 
 
@@ -69,8 +69,8 @@ def _replaced(argv: list[str], flag: str, value: str) -> list[str]:
 
 
 def _hf_config(argv: list[str]) -> dict[str, Any] | None:
-    """The plain ``config.json`` of ``--hf-config DIR`` whose layers are alike by their config (no
-    per-layer list), else None."""
+    """The plain ``config.json`` of ``--hf-config DIR`` (not a checkpoint's) of an :data:`ALIKE`
+    family that lists no layers one by one, else None."""
     source = _value(argv, "--hf-config")
     path = Path(source or "", "config.json")
     if not source or not path.is_file() or (path.parent / LATEST).exists():  # a checkpoint's: planned whole
